@@ -1,0 +1,29 @@
+// The host transport: ranks of one host over POSIX shared memory (one segment per rank,
+// mapped by every peer, unlinked as soon as all have mapped it).
+//
+// Environment (CommOptions fields win where they are set):
+//   TIDE_SHM_STAGING_BYTES  staging per rank, default 16M (K/M/G suffixes); ranks must agree
+//   TIDE_SHM_SLOT_BYTES     pipeline slot size, default min(staging/2, 2M); ranks must agree
+//   TIDE_NUM_THREADS        copy/reduce threads per rank, default hardware threads / ranks,
+//                           at most 8; 1 = the calling thread only
+//   TIDE_CMA                0 disables direct reads of peers' buffers (process_vm_readv)
+//   TIDE_DEBUG              1 prints the transport, threads, staging and CMA decision
+#pragma once
+#include <memory>
+#include <string>
+
+#include "tide/comm.hpp"
+#include "tide/store.hpp"
+#include "tide/transport.hpp"
+
+namespace tide {
+
+// Shared-memory object names start with this (they live in /dev/shm only until every rank
+// has mapped them).
+inline constexpr const char* kShmPrefix = "tide-";
+inline constexpr size_t kDefaultStagingBytes = size_t{16} << 20;
+
+std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
+                                               int world_size, const CommOptions& options);
+
+}  // namespace tide

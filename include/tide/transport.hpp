@@ -1,0 +1,92 @@
+// The one-sided transport the collectives are written against (NVSHMEM-like). A transport
+// gives every rank a symmetric staging area that peers can address, a copy engine and a
+// reduce engine that it drives (host: a thread pool; CUDA: copy engines / short-lived
+// CTAs), per-rank counters ("flags") that peers wait on, and a small control exchange.
+// Algorithms (src/collectives/*.cpp) only see this interface.
+//
+// Flags are monotonic 32-bit counters compared modulo 2^32 ("at least"), so they are never
+// reset. Each rank posts only its own flags; anyone may wait on anyone's.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "tide/comm.hpp"
+#include "tide/dtype.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+
+// Flag indices. The fixed ones are shared by every collective; p2p channels get one counter
+// per peer on each side.
+struct Flag {
+  uint32_t index;
+  static constexpr uint32_t kFixed = 4;
+  static constexpr Flag ready() { return {0}; }    // my slot holds this step's data
+  static constexpr Flag reduced() { return {1}; }  // my share of this step is reduced
+  static constexpr Flag done() { return {2}; }     // I finished this step (read all I need)
+  static constexpr Flag control() { return {3}; }  // reserved for the transport's exchange()
+  // Sender side: chunks posted to `receiver`; receiver side: chunks taken from `sender`.
+  static Flag sent(int receiver) { return {kFixed + 2 * static_cast<uint32_t>(receiver)}; }
+  static Flag taken(int sender) { return {kFixed + 2 * static_cast<uint32_t>(sender) + 1}; }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // Staging: num_slots() slots of slot_bytes() per rank (64-byte aligned), used round-robin
+  // by pipeline steps. peer(r, s) is rank r's slot s, mapped for loads and stores;
+  // local(s) == peer(rank(), s).
+  virtual int num_slots() const = 0;
+  virtual size_t slot_bytes() const = 0;
+  virtual std::byte* peer(int rank, int slot) = 0;
+  std::byte* local(int slot) { return peer(rank(), slot); }
+
+  // Point-to-point channels: per ordered (sender, receiver) pair a ring of channel_depth()
+  // chunks of channel_bytes() each, living with the sender, addressable by both.
+  virtual int channel_depth() const = 0;
+  virtual size_t channel_bytes() const = 0;
+  virtual std::byte* channel(int sender, int receiver, int index) = 0;
+
+  // Engines. Both block until the work is done and may split it over several workers.
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  // dst[i] = op over srcs[k][i] in order k = 0..n-1 (see reduce_kernels.hpp).
+  virtual void reduce(void* dst, DType dst_dtype, std::span<const void* const> srcs, DType src_dtype,
+                      size_t count, ReduceArgs args) = 0;
+
+  // Optional one-sided get from a peer's private memory (host: Linux CMA,
+  // process_vm_readv), so a collective can read a peer's user buffer directly instead of
+  // through staging. `remote` is an address in the peer's address space. Only valid when
+  // can_get() is true on every rank (the host transport makes it all-or-nothing).
+  virtual bool can_get() const { return false; }
+  virtual void get(int peer, void* dst, const void* remote, size_t bytes);
+
+  // Set my flag to `value` (release) and wake its waiters.
+  virtual void post(Flag flag, uint32_t value) = 0;
+  // Until `peer`'s flag reaches `value` (acquire). Throws TimeoutError when the current op's
+  // deadline passes, or the peer died or aborted.
+  virtual void wait(int peer, Flag flag, uint32_t value) = 0;
+
+  // All-gather of a small control record (`bytes` <= max_exchange_bytes()) into
+  // all[world_size * bytes]; returns once every rank has contributed (a barrier).
+  virtual size_t max_exchange_bytes() const = 0;
+  virtual void exchange(const void* mine, size_t bytes, void* all) = 0;
+  void barrier() { exchange(nullptr, 0, nullptr); }
+
+  // The collective now running: its name and a short description of its arguments, used in
+  // error messages, and its deadline (now + the communicator's timeout).
+  virtual void begin(const char* collective, std::string detail) = 0;
+  // Give up: peers waiting on this rank fail fast with `why` instead of timing out.
+  virtual void abort(const std::string& why) = 0;
+};
+
+inline void Transport::get(int, void*, const void*, size_t) {
+  throw Error(detail::concat("tide: the ", name(), " transport cannot read peers' memory (can_get() is false)"));
+}
+
+}  // namespace tide

@@ -1,0 +1,28 @@
+"""TIDE: zero-copy collectives for PyTorch FSDP2.
+
+``import tide`` registers the ``tide`` process-group backend, so that
+``torch.distributed.init_process_group("tide")`` (or ``"cpu:tide"``) works unchanged.
+"""
+from __future__ import annotations
+
+from . import _C
+from ._backend import BACKEND_NAME, register as _register
+
+__version__ = "0.1.0"
+__all__ = ["BACKEND_NAME", "reduce_scatter_tensor_mixed"]
+
+_register()
+
+
+def reduce_scatter_tensor_mixed(output, input, op=None, group=None, async_op=False):
+    """Reduce-scatters bf16/fp16 ``input`` into an fp32 ``output`` (fp32 accumulation).
+
+    The mixed-precision mode NCCL does not offer. With a ``tide`` group this is the
+    ordinary ``reduce_scatter_tensor`` call: the backend accepts the dtype pair.
+    """
+    import torch.distributed as dist
+
+    return dist.reduce_scatter_tensor(
+        output, input, op=op if op is not None else dist.ReduceOp.SUM, group=group,
+        async_op=async_op,
+    )

@@ -1,0 +1,320 @@
+// The communicator: checks arguments (locally, then across ranks through one small control
+// exchange per call), then runs the algorithm over its transport. Any error breaks it and
+// raises the transport's abort flag, so peers fail fast instead of waiting out the timeout.
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "algorithms.hpp"
+#include "tide/error.hpp"
+#include "tide/host_transport.hpp"
+#include "tide/reduce_kernels.hpp"
+
+namespace tide {
+namespace {
+
+enum class Kind : uint8_t { all_gather = 1, reduce_scatter, all_reduce, reduce, broadcast, gather, scatter,
+                            all_to_all, barrier };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::all_gather: return "all_gather";
+    case Kind::reduce_scatter: return "reduce_scatter";
+    case Kind::all_reduce: return "all_reduce";
+    case Kind::reduce: return "reduce";
+    case Kind::broadcast: return "broadcast";
+    case Kind::gather: return "gather";
+    case Kind::scatter: return "scatter";
+    case Kind::all_to_all: return "all_to_all";
+    case Kind::barrier: return "barrier";
+  }
+  return "?";
+}
+
+// What every rank publishes before a collective; all_to_all appends its byte counts.
+struct Desc {
+  Kind kind{};
+  DType dtype{}, out_dtype{};
+  ReduceOp op{};
+  int32_t root = 0;
+  uint64_t count = 0;  // elements, or bytes for the untyped collectives
+  uint64_t addr = 0;   // all_gather: this rank's input address (for direct reads); not compared
+};
+
+std::string describe(const Desc& d, std::span<const uint64_t> a2a = {}) {
+  std::ostringstream os;
+  switch (d.kind) {
+    case Kind::all_gather: os << "count=" << d.count << " dtype=" << dtype_name(d.dtype); break;
+    case Kind::reduce_scatter:
+      os << "count=" << d.count << " dtype=" << dtype_name(d.dtype);
+      if (d.out_dtype != d.dtype) os << "->" << dtype_name(d.out_dtype);
+      os << " op=" << reduce_op_name(d.op);
+      break;
+    case Kind::all_reduce: os << "count=" << d.count << " dtype=" << dtype_name(d.dtype) << " op=" << reduce_op_name(d.op); break;
+    case Kind::reduce:
+      os << "count=" << d.count << " dtype=" << dtype_name(d.dtype) << " op=" << reduce_op_name(d.op) << " root=" << d.root;
+      break;
+    case Kind::broadcast: case Kind::gather: case Kind::scatter: os << "bytes=" << d.count << " root=" << d.root; break;
+    case Kind::all_to_all: {
+      const size_t ws = a2a.size() / 2;
+      os << "send_bytes=[";
+      for (size_t i = 0; i < ws; ++i) os << (i ? "," : "") << a2a[i];
+      os << "] recv_bytes=[";
+      for (size_t i = 0; i < ws; ++i) os << (i ? "," : "") << a2a[ws + i];
+      os << "]";
+      break;
+    }
+    case Kind::barrier: break;
+  }
+  return os.str();
+}
+
+bool same(const Desc& a, const Desc& b) {
+  return a.kind == b.kind && a.dtype == b.dtype && a.out_dtype == b.out_dtype && a.op == b.op &&
+         a.root == b.root && a.count == b.count;
+}
+
+class HostComm final : public Comm {
+ public:
+  HostComm(std::unique_ptr<Transport> t) : t_(std::move(t)), ctx_(*t_), rank_(t_->rank()), ws_(t_->world_size()) {
+    record_ = sizeof(Desc) + 16 * static_cast<size_t>(ws_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return ws_; }
+
+  void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) override {
+    const size_t bytes = count * dtype_size(dtype);
+    const bool direct = t_->can_get() && bytes >= algo::kDirectMinBytes;
+    Desc d{Kind::all_gather, dtype, dtype, ReduceOp::sum, 0, count, reinterpret_cast<uint64_t>(in)};
+    run(d, [&] {
+      check_outs("all_gather", outs, bytes);
+      check_ptr("all_gather", in, count, "in");
+    }, [&] {
+      std::vector<uint64_t> inputs;
+      if (direct)
+        for (auto& r : descs_) inputs.push_back(r.addr);
+      algo::all_gather(ctx_, in, outs, bytes, inputs);
+    });
+  }
+
+  void reduce_scatter(std::span<const void* const> ins, void* out, size_t count, DType in_dtype, DType out_dtype,
+                      ReduceArgs op) override {
+    Desc d{Kind::reduce_scatter, in_dtype, out_dtype, op.op, 0, count};
+    run(d, [&] {
+      check_reduce("reduce_scatter", in_dtype, out_dtype, op.op);
+      TIDE_CHECK(ins.size() == static_cast<size_t>(ws_), "tide reduce_scatter: rank ", rank_, " passed ", ins.size(),
+                 " inputs, expected world_size=", ws_);
+      for (size_t r = 0; r < ins.size(); ++r) check_ptr("reduce_scatter", ins[r], count, "ins[", r, "]");
+      check_ptr("reduce_scatter", out, count, "out");
+    }, [&] { algo::reduce_scatter(ctx_, ins, out, count, in_dtype, out_dtype, op); });
+  }
+
+  void all_reduce(void* inout, size_t count, DType dtype, ReduceArgs op) override {
+    Desc d{Kind::all_reduce, dtype, dtype, op.op, 0, count};
+    run(d, [&] {
+      check_reduce("all_reduce", dtype, dtype, op.op);
+      check_ptr("all_reduce", inout, count, "buffer");
+    }, [&] { algo::all_reduce(ctx_, inout, count, dtype, op); });
+  }
+
+  void reduce(void* inout, size_t count, DType dtype, ReduceArgs op, int root) override {
+    Desc d{Kind::reduce, dtype, dtype, op.op, root, count};
+    run(d, [&] {
+      check_reduce("reduce", dtype, dtype, op.op);
+      check_root("reduce", root);
+      check_ptr("reduce", inout, count, "buffer");
+    }, [&] { algo::reduce(ctx_, inout, count, dtype, op, root); });
+  }
+
+  void broadcast(void* buf, size_t bytes, int root) override {
+    Desc d{Kind::broadcast, DType::u8, DType::u8, ReduceOp::sum, root, bytes};
+    run(d, [&] {
+      check_root("broadcast", root);
+      check_ptr("broadcast", buf, bytes, "buffer");
+    }, [&] { algo::broadcast(ctx_, buf, bytes, root); });
+  }
+
+  void gather(const void* in, std::span<void* const> outs, size_t bytes, int root) override {
+    Desc d{Kind::gather, DType::u8, DType::u8, ReduceOp::sum, root, bytes};
+    run(d, [&] {
+      check_root("gather", root);
+      if (rank_ == root) check_outs("gather", outs, bytes);
+      check_ptr("gather", in, bytes, "in");
+    }, [&] { algo::gather(ctx_, in, outs, bytes, root); });
+  }
+
+  void scatter(std::span<const void* const> ins, void* out, size_t bytes, int root) override {
+    Desc d{Kind::scatter, DType::u8, DType::u8, ReduceOp::sum, root, bytes};
+    run(d, [&] {
+      check_root("scatter", root);
+      if (rank_ == root) {
+        TIDE_CHECK(ins.size() == static_cast<size_t>(ws_), "tide scatter: root rank ", rank_, " passed ", ins.size(),
+                   " inputs, expected world_size=", ws_);
+        for (size_t r = 0; r < ins.size(); ++r) check_ptr("scatter", ins[r], bytes, "ins[", r, "]");
+      }
+      check_ptr("scatter", out, bytes, "out");
+    }, [&] { algo::scatter(ctx_, ins, out, bytes, root); });
+  }
+
+  void all_to_all(const void* in, std::span<const size_t> send_bytes, std::span<const size_t> send_offsets, void* out,
+                  std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets) override {
+    Desc d{Kind::all_to_all, DType::u8, DType::u8, ReduceOp::sum, 0, 0};
+    std::vector<uint64_t> sizes(2 * ws_);
+    const size_t n = static_cast<size_t>(ws_);
+    const bool sized = send_bytes.size() == n && recv_bytes.size() == n;
+    if (sized) {
+      std::copy(send_bytes.begin(), send_bytes.end(), sizes.begin());
+      std::copy(recv_bytes.begin(), recv_bytes.end(), sizes.begin() + ws_);
+    }
+    size_t max_bytes = 0;
+    run(d, [&] {
+      TIDE_CHECK(sized && send_offsets.size() == n && recv_offsets.size() == n, "tide all_to_all: rank ", rank_,
+                 " passed ", send_bytes.size(), " send sizes, ", send_offsets.size(), " send offsets, ",
+                 recv_bytes.size(), " recv sizes and ", recv_offsets.size(), " recv offsets; expected world_size=",
+                 ws_, " of each");
+      for (size_t r = 0; r < n; ++r) {
+        check_ptr("all_to_all", in, send_bytes[r], "in");
+        check_ptr("all_to_all", out, recv_bytes[r], "out");
+      }
+    }, [&] { algo::all_to_all(ctx_, in, send_bytes, send_offsets, out, recv_bytes, recv_offsets, max_bytes); },
+        sizes, &max_bytes);
+  }
+
+  void barrier() override {
+    Desc d{Kind::barrier, DType::u8, DType::u8, ReduceOp::sum, 0, 0};
+    run(d, [] {}, [] {});
+  }
+
+  void send(const void* buf, size_t bytes, int peer, int tag) override {
+    p2p("send", peer, bytes, tag, [&] {
+      check_ptr("send", buf, bytes, "buffer");
+      algo::send(ctx_, buf, bytes, peer, tag);
+    });
+  }
+
+  void recv(void* buf, size_t bytes, int peer, int tag) override {
+    p2p("recv", peer, bytes, tag, [&] {
+      check_ptr("recv", buf, bytes, "buffer");
+      algo::recv(ctx_, buf, bytes, peer, tag);
+    });
+  }
+
+ private:
+  // Local checks, then the cross-rank check, then the algorithm; any failure breaks the comm.
+  template <class Check, class Body>
+  void run(const Desc& d, Check&& check, Body&& body, std::span<const uint64_t> extra = {},
+           size_t* max_a2a = nullptr) {
+    const char* name = kind_name(d.kind);
+    guard(name, [&] {
+      t_->begin(name, describe(d, extra));
+      check();
+      std::vector<std::byte> mine(record_), all(record_ * ws_);
+      std::memcpy(mine.data(), &d, sizeof d);
+      if (!extra.empty()) std::memcpy(mine.data() + sizeof d, extra.data(), extra.size_bytes());
+      t_->exchange(mine.data(), record_, all.data());
+      agree(d, all, max_a2a);
+      body();
+    });
+  }
+
+  template <class Body>
+  void p2p(const char* name, int peer, size_t bytes, int tag, Body&& body) {
+    guard(name, [&] {
+      t_->begin(name, detail::concat("bytes=", bytes, " tag=", tag));
+      TIDE_CHECK(peer >= 0 && peer < ws_ && peer != rank_, "tide ", name, ": rank ", rank_, " got peer ", peer,
+                 " (world_size=", ws_, ")");
+      body();
+    });
+  }
+
+  template <class Body>
+  void guard(const char* name, Body&& body) {
+    if (broken_) {
+      std::string msg = detail::concat("tide ", name, ": the communicator is unusable after an earlier error: ", why_);
+      if (broken_timeout_) throw TimeoutError(msg);
+      throw Error(msg);
+    }
+    try {
+      body();
+    } catch (const TimeoutError& e) {
+      fail(e.what(), true);
+      throw;
+    } catch (const std::exception& e) {
+      fail(e.what(), false);
+      throw;
+    }
+  }
+
+  void fail(const std::string& why, bool timeout) {
+    broken_ = true;
+    broken_timeout_ = timeout;
+    why_ = why;
+    t_->abort(why);
+  }
+
+  // Every rank sees every record, so every rank reaches the same verdict.
+  void agree(const Desc& d, const std::vector<std::byte>& all, size_t* max_a2a) {
+    std::vector<Desc>& ds = descs_;
+    ds.resize(ws_);
+    std::vector<std::vector<uint64_t>> a2a(ws_);
+    for (int r = 0; r < ws_; ++r) {
+      std::memcpy(&ds[r], all.data() + r * record_, sizeof(Desc));
+      if (d.kind == Kind::all_to_all) {
+        a2a[r].resize(2 * ws_);
+        std::memcpy(a2a[r].data(), all.data() + r * record_ + sizeof(Desc), 16 * static_cast<size_t>(ws_));
+      }
+    }
+    bool ok = true;
+    for (int r = 0; r < ws_; ++r) ok = ok && same(ds[r], ds[0]);
+    if (ok && d.kind == Kind::all_to_all) {
+      for (int s = 0; s < ws_; ++s)
+        for (int r = 0; r < ws_; ++r) {
+          ok = ok && a2a[s][r] == a2a[r][ws_ + s];  // what s sends to r == what r expects from s
+          *max_a2a = std::max<size_t>(*max_a2a, a2a[s][r]);
+        }
+    }
+    if (ok) return;
+    std::ostringstream os;
+    os << "tide " << kind_name(d.kind) << ": ranks disagree on the arguments:";
+    bool kinds_differ = false;
+    for (int r = 0; r < ws_; ++r) kinds_differ = kinds_differ || ds[r].kind != ds[0].kind;
+    for (int r = 0; r < ws_; ++r) {
+      os << (r ? "; " : " ") << "rank " << r << ": ";
+      if (kinds_differ) os << kind_name(ds[r].kind) << " ";
+      os << describe(ds[r], ds[r].kind == Kind::all_to_all ? std::span<const uint64_t>(a2a[r]) : std::span<const uint64_t>());
+    }
+    throw Error(os.str());
+  }
+
+  void check_root(const char* name, int root) const {
+    TIDE_CHECK(root >= 0 && root < ws_, "tide ", name, ": rank ", rank_, " got root ", root, " (world_size=", ws_, ")");
+  }
+  void check_outs(const char* name, std::span<void* const> outs, size_t bytes) const {
+    TIDE_CHECK(outs.size() == static_cast<size_t>(ws_), "tide ", name, ": rank ", rank_, " passed ", outs.size(),
+               " outputs, expected world_size=", ws_);
+    for (size_t r = 0; r < outs.size(); ++r) check_ptr(name, outs[r], bytes, "outs[", r, "]");
+  }
+  template <class... What>
+  void check_ptr(const char* name, const void* p, size_t size, const What&... what) const {
+    TIDE_CHECK(p != nullptr || size == 0, "tide ", name, ": rank ", rank_, " passed a null ", what...,
+               " for ", size, size == 1 ? " element/byte" : " elements/bytes");
+  }
+
+  std::unique_ptr<Transport> t_;
+  algo::Ctx ctx_;
+  int rank_, ws_;
+  size_t record_;
+  std::vector<Desc> descs_;  // every rank's descriptor of the current collective
+  bool broken_ = false, broken_timeout_ = false;
+  std::string why_;
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_host_comm(Store& store, const std::string& ns, int rank, int world_size,
+                                     CommOptions options) {
+  return std::make_unique<HostComm>(make_host_transport(store, ns, rank, world_size, options));
+}
+
+}  // namespace tide

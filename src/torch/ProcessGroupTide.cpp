@@ -1,0 +1,627 @@
+#include "ProcessGroupTide.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "tide/error.hpp"
+
+namespace tide::torch_backend {
+namespace {
+
+// ---- c10d::Store as a tide::Store ---------------------------------------------------
+class C10dStore : public tide::Store {
+ public:
+  explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    store_->set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    try {
+      store_->wait({key}, timeout);
+    } catch (const std::exception& e) {
+      throw tide::TimeoutError(std::string("tide: store key '") + key + "' not set: " + e.what());
+    }
+    return store_->get(key);
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// ---- tensor checks and mapping --------------------------------------------------------
+// Every check names the collective and the rank, as the built-in backends do.
+struct OpContext {
+  const char* name;
+  int rank;
+};
+
+DType to_dtype(at::ScalarType t, const OpContext& ctx) {
+  switch (t) {
+    case at::kFloat: return DType::f32;
+    case at::kDouble: return DType::f64;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    case at::kChar: return DType::i8;
+    case at::kByte: return DType::u8;
+    case at::kShort: return DType::i16;
+    case at::kInt: return DType::i32;
+    case at::kLong: return DType::i64;
+    case at::kBool: return DType::boolean;
+    default:
+      TORCH_CHECK(false, "tide ", ctx.name, ": rank ", ctx.rank, ": unsupported dtype ", t);
+  }
+}
+
+void check_tensor(const at::Tensor& t, const OpContext& ctx, const char* what) {
+  TORCH_CHECK(t.defined(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what, " is undefined");
+  TORCH_CHECK(!t.is_cuda(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
+              " is a CUDA tensor; the tide CUDA transport is not built yet, so this group only "
+              "handles CPU tensors (use backend='cpu:tide,cuda:nccl' to mix)");
+  TORCH_CHECK(t.device().is_cpu(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
+              " is on ", t.device(), "; tide handles CPU tensors");
+  TORCH_CHECK(t.layout() == at::kStrided, "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
+              " must be a dense (strided) tensor");
+}
+
+// An input: checked and made contiguous (a copy only when the caller's was not).
+at::Tensor input(const at::Tensor& t, const OpContext& ctx, const char* what = "input") {
+  check_tensor(t, ctx, what);
+  return t.contiguous();
+}
+
+// An output the collective writes: contiguous scratch when the caller's tensor is not,
+// copied back when the collective ends.
+struct Output {
+  at::Tensor user;
+  at::Tensor buf;
+  void* data() { return buf.data_ptr(); }
+  void finish() {
+    if (!buf.is_same(user)) user.copy_(buf);
+  }
+};
+Output output(const at::Tensor& t, const OpContext& ctx, const char* what = "output") {
+  check_tensor(t, ctx, what);
+  return Output{t, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)};
+}
+
+ReduceArgs to_reduce(const c10d::ReduceOp& op, const OpContext& ctx) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return {ReduceOp::sum};
+    case c10d::ReduceOp::AVG: return {ReduceOp::avg};
+    case c10d::ReduceOp::MAX: return {ReduceOp::max};
+    case c10d::ReduceOp::MIN: return {ReduceOp::min};
+    case c10d::ReduceOp::PRODUCT: return {ReduceOp::product};
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK(sup, "tide ", ctx.name, ": rank ", ctx.rank, ": PREMUL_SUM without a factor");
+      double factor = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>()
+                                                   : sup->double_factor;
+      return {ReduceOp::premul_sum, factor};
+    }
+    default:
+      TORCH_CHECK(false, "tide ", ctx.name, ": rank ", ctx.rank, ": reduce op ", int(op.op_),
+                  " is not supported (SUM, AVG, MAX, MIN, PRODUCT, PREMUL_SUM are)");
+  }
+}
+
+void check_single(const std::vector<at::Tensor>& tensors, const OpContext& ctx) {
+  TORCH_CHECK(tensors.size() == 1, "tide ", ctx.name, ": rank ", ctx.rank,
+              ": expects one tensor per call, got ", tensors.size());
+}
+
+void check_numel(const at::Tensor& t, int64_t expected, const OpContext& ctx, const char* what,
+                 const char* why) {
+  TORCH_CHECK(t.numel() == expected, "tide ", ctx.name, ": rank ", ctx.rank, ": ", what, " has ",
+              t.numel(), " elements, expected ", expected, " (", why, ")");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const OpContext& ctx) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "tide ", ctx.name, ": rank ", ctx.rank,
+              ": input is ", a.scalar_type(), " but output is ", b.scalar_type());
+}
+
+size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
+
+}  // namespace
+
+// ---- WorkTide ---------------------------------------------------------------------------
+WorkTide::WorkTide(c10d::OpType op, const char* profiling_title, std::vector<at::Tensor> outputs)
+    : c10d::Work(-1, op, profiling_title),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()))) {}
+
+void WorkTide::complete(std::exception_ptr eptr) {
+  finish(eptr);
+  if (eptr) {
+    future_->setError(eptr);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+// ---- ProcessGroupTide -----------------------------------------------------------------------
+ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                   std::chrono::milliseconds timeout, const std::string& group_name)
+    : c10d::Backend(rank, size), timeout_(timeout) {
+  C10dStore tide_store(store);
+  CommOptions options;
+  options.timeout = timeout;
+  comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+ProcessGroupTide::~ProcessGroupTide() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  worker_.join();  // finishes what was queued, as gloo's destructor does
+}
+
+void ProcessGroupTide::worker_loop() {
+  for (;;) {
+    std::pair<c10::intrusive_ptr<WorkTide>, std::function<void()>> item;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr eptr;
+    try {
+      item.second();
+    } catch (...) {
+      eptr = std::current_exception();
+    }
+    item.first->complete(eptr);
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const char* name,
+                                                         std::vector<at::Tensor> outputs,
+                                                         std::function<void()> fn) {
+  auto work = c10::make_intrusive<WorkTide>(op, name, std::move(outputs));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.emplace_back(work, std::move(fn));
+  }
+  cv_.notify_one();
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tensor>& tensors,
+                                                           const c10d::BroadcastOptions& opts) {
+  OpContext ctx{"broadcast", getRank()};
+  check_single(tensors, ctx);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide broadcast: rank ", getRank(),
+              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  auto out = output(tensors[0], ctx, "tensor");
+  if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
+  int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::BROADCAST, "tide:broadcast", tensors, [this, out, root]() mutable {
+    comm_->broadcast(out.data(), nbytes(out.buf), root);
+    out.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tensor>& tensors,
+                                                           const c10d::AllreduceOptions& opts) {
+  OpContext ctx{"allreduce", getRank()};
+  check_single(tensors, ctx);
+  auto out = output(tensors[0], ctx, "tensor");
+  if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
+  auto dtype = to_dtype(out.buf.scalar_type(), ctx);
+  auto red = to_reduce(opts.reduceOp, ctx);
+  return enqueue(c10d::OpType::ALLREDUCE, "tide:all_reduce", tensors, [=, this]() mutable {
+    comm_->all_reduce(out.data(), out.buf.numel(), dtype, red);
+    out.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  OpContext ctx{"allreduce_coalesced", getRank()};
+  std::vector<Output> outs;
+  std::vector<DType> dtypes;
+  for (auto& t : tensors) {
+    outs.push_back(output(t, ctx, "tensor"));
+    if (!outs.back().buf.is_same(t)) outs.back().buf.copy_(t);
+    dtypes.push_back(to_dtype(t.scalar_type(), ctx));
+  }
+  auto red = to_reduce(opts.reduceOp, ctx);
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "tide:all_reduce_coalesced", tensors,
+                 [=, this]() mutable {
+                   for (size_t i = 0; i < outs.size(); ++i) {
+                     comm_->all_reduce(outs[i].data(), outs[i].buf.numel(), dtypes[i], red);
+                     outs[i].finish();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::ReduceOptions& opts) {
+  OpContext ctx{"reduce", getRank()};
+  check_single(tensors, ctx);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide reduce: rank ", getRank(),
+              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  auto out = output(tensors[0], ctx, "tensor");
+  if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
+  auto dtype = to_dtype(out.buf.scalar_type(), ctx);
+  auto red = to_reduce(opts.reduceOp, ctx);
+  int root = static_cast<int>(opts.rootRank);
+  return enqueue(c10d::OpType::REDUCE, "tide:reduce", tensors, [=, this]() mutable {
+    comm_->reduce(out.data(), out.buf.numel(), dtype, red, root);
+    out.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  OpContext ctx{"allgather", getRank()};
+  check_single(inputs, ctx);
+  TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
+              "tide allgather: rank ", getRank(), ": expects one list of ", getSize(),
+              " output tensors");
+  auto in = input(inputs[0], ctx);
+  auto dtype = to_dtype(in.scalar_type(), ctx);
+  std::vector<Output> outs;
+  for (auto& t : outputs[0]) {
+    check_same_dtype(in, t, ctx);
+    check_numel(t, in.numel(), ctx, "an output tensor", "each output matches the input");
+    outs.push_back(output(t, ctx));
+  }
+  return enqueue(c10d::OpType::ALLGATHER, "tide:all_gather", outputs[0], [=, this]() mutable {
+    std::vector<void*> ptrs;
+    for (auto& o : outs) ptrs.push_back(o.data());
+    comm_->all_gather(in.data_ptr(), ptrs, in.numel(), dtype);
+    for (auto& o : outs) o.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& output_tensor,
+                                                                 at::Tensor& input_tensor,
+                                                                 const c10d::AllgatherOptions&) {
+  OpContext ctx{"all_gather_into_tensor", getRank()};
+  auto in = input(input_tensor, ctx);
+  check_same_dtype(in, output_tensor, ctx);
+  check_numel(output_tensor, in.numel() * getSize(), ctx, "output",
+              "world size x input elements");
+  auto out = output(output_tensor, ctx);
+  auto dtype = to_dtype(in.scalar_type(), ctx);
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, "tide:all_gather_into_tensor", {output_tensor},
+                 [=, this]() mutable {
+                   std::vector<void*> ptrs;
+                   auto* base = static_cast<char*>(out.data());
+                   for (int r = 0; r < getSize(); ++r) ptrs.push_back(base + r * nbytes(in));
+                   comm_->all_gather(in.data_ptr(), ptrs, in.numel(), dtype);
+                   out.finish();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  OpContext ctx{"allgather_coalesced", getRank()};
+  TORCH_CHECK(output_lists.size() == static_cast<size_t>(getSize()), "tide allgather_coalesced: rank ",
+              getRank(), ": expects ", getSize(), " output lists, got ", output_lists.size());
+  // output_lists[r][i] receives rank r's inputs[i]: one all_gather per input.
+  std::vector<at::Tensor> ins;
+  std::vector<DType> dtypes;
+  std::vector<std::vector<Output>> outs(inputs.size());
+  std::vector<at::Tensor> all_outputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ins.push_back(input(inputs[i], ctx));
+    dtypes.push_back(to_dtype(inputs[i].scalar_type(), ctx));
+    for (int r = 0; r < getSize(); ++r) {
+      TORCH_CHECK(output_lists[r].size() == inputs.size(), "tide allgather_coalesced: rank ",
+                  getRank(), ": output list ", r, " has ", output_lists[r].size(),
+                  " tensors, expected ", inputs.size());
+      auto& t = output_lists[r][i];
+      check_same_dtype(inputs[i], t, ctx);
+      check_numel(t, inputs[i].numel(), ctx, "an output tensor", "each output matches its input");
+      outs[i].push_back(output(t, ctx));
+      all_outputs.push_back(t);
+    }
+  }
+  return enqueue(c10d::OpType::ALLGATHER_COALESCED, "tide:all_gather_coalesced", all_outputs,
+                 [=, this]() mutable {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     std::vector<void*> ptrs;
+                     for (auto& o : outs[i]) ptrs.push_back(o.data());
+                     comm_->all_gather(ins[i].data_ptr(), ptrs, ins[i].numel(), dtypes[i]);
+                     for (auto& o : outs[i]) o.finish();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions&) {
+  OpContext ctx{"allgather_into_tensor_coalesced", getRank()};
+  TORCH_CHECK(outputs.size() == inputs.size(), "tide allgather_into_tensor_coalesced: rank ",
+              getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<at::Tensor> ins;
+  std::vector<Output> outs;
+  std::vector<DType> dtypes;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ins.push_back(input(inputs[i], ctx));
+    check_same_dtype(inputs[i], outputs[i], ctx);
+    check_numel(outputs[i], inputs[i].numel() * getSize(), ctx, "an output",
+                "world size x input elements");
+    outs.push_back(output(outputs[i], ctx));
+    dtypes.push_back(to_dtype(inputs[i].scalar_type(), ctx));
+  }
+  return enqueue(c10d::OpType::COALESCED, "tide:all_gather_into_tensor_coalesced", outputs,
+                 [=, this]() mutable {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     std::vector<void*> ptrs;
+                     auto* base = static_cast<char*>(outs[i].data());
+                     for (int r = 0; r < getSize(); ++r) ptrs.push_back(base + r * nbytes(ins[i]));
+                     comm_->all_gather(ins[i].data_ptr(), ptrs, ins[i].numel(), dtypes[i]);
+                     outs[i].finish();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  OpContext ctx{"gather", getRank()};
+  check_single(inputs, ctx);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide gather: rank ", getRank(),
+              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  int root = static_cast<int>(opts.rootRank);
+  auto in = input(inputs[0], ctx);
+  std::vector<Output> outs;
+  std::vector<at::Tensor> result;
+  if (getRank() == root) {
+    TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
+                "tide gather: root rank ", getRank(), ": expects one list of ", getSize(),
+                " output tensors");
+    for (auto& t : outputs[0]) {
+      check_same_dtype(in, t, ctx);
+      check_numel(t, in.numel(), ctx, "an output tensor", "each output matches the input");
+      outs.push_back(output(t, ctx));
+    }
+    result = outputs[0];
+  } else {
+    TORCH_CHECK(outputs.empty() || outputs[0].empty(), "tide gather: rank ", getRank(),
+                ": only the root (", root, ") takes output tensors");
+  }
+  return enqueue(c10d::OpType::GATHER, "tide:gather", result, [=, this]() mutable {
+    std::vector<void*> ptrs;
+    for (auto& o : outs) ptrs.push_back(o.data());
+    comm_->gather(in.data_ptr(), ptrs, nbytes(in), root);
+    for (auto& o : outs) o.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  OpContext ctx{"scatter", getRank()};
+  check_single(outputs, ctx);
+  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide scatter: rank ", getRank(),
+              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  int root = static_cast<int>(opts.rootRank);
+  auto out = output(outputs[0], ctx);
+  std::vector<at::Tensor> ins;
+  if (getRank() == root) {
+    TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
+                "tide scatter: root rank ", getRank(), ": expects one list of ", getSize(),
+                " input tensors");
+    for (auto& t : inputs[0]) {
+      check_same_dtype(t, outputs[0], ctx);
+      check_numel(t, outputs[0].numel(), ctx, "an input tensor", "each input matches the output");
+      ins.push_back(input(t, ctx));
+    }
+  } else {
+    TORCH_CHECK(inputs.empty() || inputs[0].empty(), "tide scatter: rank ", getRank(),
+                ": only the root (", root, ") takes input tensors");
+  }
+  return enqueue(c10d::OpType::SCATTER, "tide:scatter", outputs, [=, this]() mutable {
+    std::vector<const void*> ptrs;
+    for (auto& t : ins) ptrs.push_back(t.data_ptr());
+    comm_->scatter(ptrs, out.data(), nbytes(out.buf), root);
+    out.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  OpContext ctx{"reduce_scatter", getRank()};
+  check_single(outputs, ctx);
+  TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
+              "tide reduce_scatter: rank ", getRank(), ": expects one list of ", getSize(),
+              " input tensors");
+  auto out = output(outputs[0], ctx);
+  std::vector<at::Tensor> ins;
+  for (auto& t : inputs[0]) {
+    check_same_dtype(t, outputs[0], ctx);
+    check_numel(t, outputs[0].numel(), ctx, "an input tensor", "each input matches the output");
+    ins.push_back(input(t, ctx));
+  }
+  auto dtype = to_dtype(outputs[0].scalar_type(), ctx);
+  auto red = to_reduce(opts.reduceOp, ctx);
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:reduce_scatter", outputs, [=, this]() mutable {
+    std::vector<const void*> ptrs;
+    for (auto& t : ins) ptrs.push_back(t.data_ptr());
+    comm_->reduce_scatter(ptrs, out.data(), out.buf.numel(), dtype, dtype, red);
+    out.finish();
+  });
+}
+
+// Also the mixed-precision reduce-scatter NCCL lacks: bf16/f16 input, fp32 output.
+std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
+    at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts,
+    const char* name) {
+  OpContext ctx{name, getRank()};
+  auto in = input(input_tensor, ctx);
+  check_numel(in, output_tensor.numel() * getSize(), ctx, "input", "world size x output elements");
+  auto in_dtype = to_dtype(in.scalar_type(), ctx);
+  auto out_dtype = to_dtype(output_tensor.scalar_type(), ctx);
+  bool mixed = out_dtype == DType::f32 && (in_dtype == DType::bf16 || in_dtype == DType::f16);
+  TORCH_CHECK(in_dtype == out_dtype || mixed, "tide ", name, ": rank ", getRank(), ": input is ",
+              in.scalar_type(), " and output is ", output_tensor.scalar_type(),
+              "; they must match, or be bf16/fp16 input with fp32 output");
+  auto out = output(output_tensor, ctx);
+  auto red = to_reduce(opts.reduceOp, ctx);
+  return [=, this]() mutable {
+    std::vector<const void*> ptrs;
+    auto* base = static_cast<const char*>(in.data_ptr());
+    size_t slice = static_cast<size_t>(out.buf.numel()) * in.element_size();
+    for (int r = 0; r < getSize(); ++r) ptrs.push_back(base + r * slice);
+    comm_->reduce_scatter(ptrs, out.data(), out.buf.numel(), in_dtype, out_dtype, red);
+    out.finish();
+  };
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
+    at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
+  auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "tide:reduce_scatter_tensor", {output_tensor},
+                 std::move(fn));
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK(outputs.size() == inputs.size(), "tide reduce_scatter_tensor_coalesced: rank ",
+              getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
+  std::vector<std::function<void()>> fns;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    fns.push_back(prepare_reduce_scatter_tensor(outputs[i], inputs[i], opts,
+                                                "reduce_scatter_tensor_coalesced"));
+  return enqueue(c10d::OpType::COALESCED, "tide:reduce_scatter_tensor_coalesced", outputs,
+                 [fns = std::move(fns)]() {
+                   for (auto& fn : fns) fn();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
+    at::Tensor& output_tensor, at::Tensor& input_tensor, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions&) {
+  OpContext ctx{"all_to_all_single", getRank()};
+  auto in = input(input_tensor, ctx);
+  check_same_dtype(in, output_tensor, ctx);
+  auto out = output(output_tensor, ctx);
+  int ws = getSize();
+  // Splits are in rows of dim 0; empty means equal splits.
+  auto byte_splits = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
+    size_t row = t.dim() == 0 ? t.element_size()
+                              : static_cast<size_t>(t.numel() / std::max<int64_t>(t.size(0), 1)) *
+                                    t.element_size();
+    int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    std::vector<size_t> sizes(ws), offsets(ws);
+    if (splits.empty()) {
+      TORCH_CHECK(rows % ws == 0, "tide all_to_all_single: rank ", getRank(), ": ", what, " has ",
+                  rows, " rows, not divisible by the world size ", ws);
+      for (int r = 0; r < ws; ++r) sizes[r] = static_cast<size_t>(rows / ws) * row;
+    } else {
+      TORCH_CHECK(splits.size() == static_cast<size_t>(ws), "tide all_to_all_single: rank ",
+                  getRank(), ": ", what, " splits have ", splits.size(), " entries for ", ws,
+                  " ranks");
+      int64_t total = 0;
+      for (int r = 0; r < ws; ++r) {
+        sizes[r] = static_cast<size_t>(splits[r]) * row;
+        total += splits[r];
+      }
+      TORCH_CHECK(total == rows, "tide all_to_all_single: rank ", getRank(), ": ", what,
+                  " splits sum to ", total, " rows but the tensor has ", rows);
+    }
+    size_t off = 0;
+    for (int r = 0; r < ws; ++r) {
+      offsets[r] = off;
+      off += sizes[r];
+    }
+    return std::make_pair(sizes, offsets);
+  };
+  auto [send_sizes, send_offsets] = byte_splits(in, input_split_sizes, "input");
+  auto [recv_sizes, recv_offsets] = byte_splits(out.buf, output_split_sizes, "output");
+  return enqueue(c10d::OpType::ALLTOALL_BASE, "tide:all_to_all_single", {output_tensor},
+                 [=, this]() mutable {
+                   comm_->all_to_all(in.data_ptr(), send_sizes, send_offsets, out.data(),
+                                     recv_sizes, recv_offsets);
+                   out.finish();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  OpContext ctx{"all_to_all", getRank()};
+  int ws = getSize();
+  TORCH_CHECK(inputs.size() == static_cast<size_t>(ws) && outputs.size() == static_cast<size_t>(ws),
+              "tide all_to_all: rank ", getRank(), ": expects ", ws, " inputs and ", ws,
+              " outputs, got ", inputs.size(), " and ", outputs.size());
+  // Packed into one send and one receive buffer; all_to_all moves per-peer byte ranges.
+  std::vector<at::Tensor> flat_in;
+  for (auto& t : inputs) flat_in.push_back(input(t, ctx).reshape({-1}).view(at::kByte));
+  auto send = at::cat(flat_in);
+  std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
+  size_t off = 0;
+  for (auto& t : flat_in) {
+    send_sizes.push_back(t.numel());
+    send_offsets.push_back(off);
+    off += t.numel();
+  }
+  off = 0;
+  for (auto& t : outputs) {
+    check_tensor(t, ctx, "output");
+    recv_sizes.push_back(nbytes(t));
+    recv_offsets.push_back(off);
+    off += nbytes(t);
+  }
+  auto recv = at::empty({static_cast<int64_t>(off)}, at::kByte);
+  return enqueue(c10d::OpType::ALLTOALL, "tide:all_to_all", outputs, [=, this]() mutable {
+    comm_->all_to_all(send.data_ptr(), send_sizes, send_offsets, recv.data_ptr(), recv_sizes,
+                      recv_offsets);
+    for (size_t r = 0; r < outputs.size(); ++r) {
+      auto bytes = recv.narrow(0, static_cast<int64_t>(recv_offsets[r]),
+                               static_cast<int64_t>(recv_sizes[r]));
+      outputs[r].copy_(bytes.view(outputs[r].scalar_type()).view(outputs[r].sizes()));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& tensors,
+                                                      int dst_rank, int tag) {
+  OpContext ctx{"send", getRank()};
+  check_single(tensors, ctx);
+  TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), "tide send: rank ",
+              getRank(), ": invalid destination rank ", dst_rank, " in a group of ", getSize());
+  auto in = input(tensors[0], ctx, "tensor");
+  return enqueue(c10d::OpType::SEND, "tide:send", tensors, [=, this]() {
+    comm_->send(in.data_ptr(), nbytes(in), dst_rank, tag);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& tensors,
+                                                      int src_rank, int tag) {
+  OpContext ctx{"recv", getRank()};
+  check_single(tensors, ctx);
+  TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), "tide recv: rank ",
+              getRank(), ": invalid source rank ", src_rank, " in a group of ", getSize());
+  auto out = output(tensors[0], ctx, "tensor");
+  return enqueue(c10d::OpType::RECV, "tide:recv", tensors, [=, this]() mutable {
+    comm_->recv(out.data(), nbytes(out.buf), src_rank, tag);
+    out.finish();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::Tensor>&, int) {
+  TORCH_CHECK(false, "tide recv: rank ", getRank(),
+              ": receiving from any source is not supported; name the source rank");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions&) {
+  return enqueue(c10d::OpType::BARRIER, "tide:barrier", {}, [this]() { comm_->barrier(); });
+}
+
+}  // namespace tide::torch_backend

@@ -1,0 +1,451 @@
+// POSIX shared-memory transport. Each rank owns one segment:
+//   [header | flags (one cache line each) | exchange records x2 | staging slots | channels]
+// Every rank maps every segment; loads and stores go straight to the peer's memory. Waits
+// spin briefly, then sleep in FUTEX_WAIT on the shared word (not FUTEX_PRIVATE: the waker is
+// another process) with a short timeout, re-checking the deadline and peer liveness.
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "../../core/env.hpp"
+#include "tide/error.hpp"
+#include "tide/host_transport.hpp"
+#include "tide/reduce_kernels.hpp"
+#include "tide/thread_pool.hpp"
+
+namespace tide {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMagic = 0x7469646573686d31ull;  // "tideshm1"
+constexpr size_t kLine = 64;
+constexpr size_t kPage = 4096;
+constexpr size_t kMinPiece = 256 << 10;  // smallest piece worth handing to another thread
+constexpr auto kSpin = std::chrono::microseconds(10);
+constexpr auto kNap = std::chrono::milliseconds(5);  // futex timeout between liveness checks
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+struct alignas(kLine) FlagLine {
+  std::atomic<uint32_t> value;
+  std::atomic<uint32_t> waiters;  // sleepers in FUTEX_WAIT, so post() only syscalls when needed
+};
+static_assert(sizeof(FlagLine) == kLine);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+struct Header {
+  uint64_t magic;
+  int32_t rank;
+  int32_t pid;
+  uint64_t self_addr;  // where this rank mapped its own segment (the CMA probe reads it)
+  alignas(kLine) std::atomic<uint32_t> aborted;
+  char abort_msg[512];
+};
+
+bool reached(uint32_t cur, uint32_t target) { return static_cast<int32_t>(cur - target) >= 0; }
+
+long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+// kill(pid, 0) succeeds on a zombie (dead, not yet reaped), so look at /proc too.
+bool process_dead(pid_t pid) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return true;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "re");
+  if (!f) return false;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* paren = std::strrchr(buf, ')');
+  return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+}
+
+std::string mib(size_t bytes) {
+  std::ostringstream os;
+  if (bytes % (1 << 20) == 0) os << (bytes >> 20) << " MiB";
+  else if (bytes % (1 << 10) == 0) os << (bytes >> 10) << " KiB";
+  else os << bytes << " B";
+  return os.str();
+}
+
+// The layout every rank computes from the agreed sizes.
+struct Layout {
+  int world_size;
+  size_t slot_bytes, num_slots, channel_bytes, channel_depth, record_bytes;
+  size_t flags_off, records_off, staging_off, channels_off, total;
+
+  Layout(int ws, size_t staging, size_t slot) : world_size(ws) {
+    slot_bytes = slot;
+    num_slots = staging / slot;
+    channel_depth = 2;
+    channel_bytes = std::clamp<size_t>(align_up(slot / 2, kLine), 1024, size_t{1} << 20);
+    record_bytes = align_up(64 + 16 * static_cast<size_t>(ws), kLine);
+    flags_off = align_up(sizeof(Header), kLine);
+    records_off = flags_off + (Flag::kFixed + 2 * static_cast<size_t>(ws)) * kLine;
+    staging_off = align_up(records_off + 2 * record_bytes, kPage);
+    channels_off = staging_off + num_slots * slot_bytes;
+    total = align_up(channels_off + static_cast<size_t>(ws) * channel_depth * channel_bytes, kPage);
+  }
+};
+
+struct Rendezvous {
+  std::string name;
+  int pid = 0;
+  size_t staging = 0, slot = 0;
+  int world_size = 0;
+};
+
+std::vector<uint8_t> encode(const Rendezvous& r) {
+  std::string s = detail::concat(r.name, ' ', r.pid, ' ', r.staging, ' ', r.slot, ' ', r.world_size);
+  return {s.begin(), s.end()};
+}
+
+Rendezvous decode(const std::vector<uint8_t>& v) {
+  std::istringstream is(std::string(v.begin(), v.end()));
+  Rendezvous r;
+  is >> r.name >> r.pid >> r.staging >> r.slot >> r.world_size;
+  return r;
+}
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(Store& store, const std::string& ns, int rank, int ws, const CommOptions& opt)
+      : rank_(rank), ws_(ws), timeout_(opt.timeout), layout_(ws, 0, 1) {
+    size_t staging = opt.staging_bytes ? opt.staging_bytes
+                                       : env::get_bytes("TIDE_SHM_STAGING_BYTES", kDefaultStagingBytes);
+    size_t slot = env::get_bytes("TIDE_SHM_SLOT_BYTES", std::min<size_t>(staging / 2, size_t{2} << 20));
+    // A slot must hold one 64-byte piece per rank; there must be two slots to pipeline.
+    slot = std::max(align_up(slot, kLine), kLine * static_cast<size_t>(ws));
+    staging = std::max(staging, 2 * slot);
+    layout_ = Layout(ws, staging, slot);
+
+    int threads = opt.num_threads;
+    if (threads <= 0) threads = static_cast<int>(env::get_int("TIDE_NUM_THREADS", 0));
+    if (threads <= 0) {
+      int hw = static_cast<int>(std::thread::hardware_concurrency());
+      threads = std::clamp(hw / ws, 1, 8);
+    }
+    pool_ = std::make_unique<ThreadPool>(threads);
+
+    base_.assign(ws, nullptr);
+    try {
+      rendezvous(store, ns, staging);
+      probe_cma();
+    } catch (...) {
+      if (!own_name_.empty()) ::shm_unlink(own_name_.c_str());
+      unmap_all();
+      throw;
+    }
+    env::log(detail::concat("host transport (posix shm): rank ", rank, "/", ws, ", ns '", ns, "', staging ",
+                            mib(layout_.num_slots * slot), " (", layout_.num_slots, " x ", mib(slot),
+                            " slots), p2p channels ", layout_.channel_depth, " x ", mib(layout_.channel_bytes),
+                            ", threads ", threads, ", cma ", cma_ ? "on" : "off", " (", cma_why_, "), timeout ",
+                            timeout_.count(), " ms"));
+  }
+
+  ~ShmTransport() override { unmap_all(); }
+
+  const char* name() const override { return "shm"; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return ws_; }
+  int num_slots() const override { return static_cast<int>(layout_.num_slots); }
+  size_t slot_bytes() const override { return layout_.slot_bytes; }
+  std::byte* peer(int r, int slot) override {
+    return base_[r] + layout_.staging_off + static_cast<size_t>(slot) * layout_.slot_bytes;
+  }
+  int channel_depth() const override { return static_cast<int>(layout_.channel_depth); }
+  size_t channel_bytes() const override { return layout_.channel_bytes; }
+  std::byte* channel(int sender, int receiver, int index) override {
+    size_t i = static_cast<size_t>(receiver) * layout_.channel_depth + static_cast<size_t>(index);
+    return base_[sender] + layout_.channels_off + i * layout_.channel_bytes;
+  }
+
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0 || dst == src) return;
+    size_t pieces = std::min<size_t>(pool_->size(), std::max<size_t>(1, bytes / kMinPiece));
+    if (pieces <= 1) {
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+    size_t step = align_up((bytes + pieces - 1) / pieces, kPage);
+    pool_->run(pieces, [&](size_t i) {
+      size_t off = i * step;
+      if (off < bytes) std::memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off,
+                                   std::min(step, bytes - off));
+    });
+  }
+
+  void reduce(void* dst, DType dst_dtype, std::span<const void* const> srcs, DType src_dtype, size_t count,
+              ReduceArgs args) override {
+    const size_t in_es = dtype_size(src_dtype), out_es = dtype_size(dst_dtype);
+    size_t pieces = std::min<size_t>(pool_->size(), std::max<size_t>(1, count * in_es * srcs.size() / kMinPiece));
+    if (pieces <= 1) return reduce_kernel(dst, dst_dtype, srcs.data(), srcs.size(), src_dtype, count, args);
+    size_t step = align_up((count + pieces - 1) / pieces, 64);
+    pool_->run(pieces, [&](size_t i) {
+      size_t off = i * step;
+      if (off >= count) return;
+      std::vector<const void*> s(srcs.size());
+      for (size_t k = 0; k < s.size(); ++k) s[k] = static_cast<const char*>(srcs[k]) + off * in_es;
+      reduce_kernel(static_cast<char*>(dst) + off * out_es, dst_dtype, s.data(), s.size(), src_dtype,
+                    std::min(step, count - off), args);
+    });
+  }
+
+  bool can_get() const override { return cma_; }
+
+  void get(int peer, void* dst, const void* remote, size_t bytes) override {
+    if (bytes == 0) return;
+    const pid_t pid = header(peer)->pid;
+    size_t pieces = std::min<size_t>(pool_->size(), std::max<size_t>(1, bytes / kMinPiece));
+    size_t step = align_up((bytes + pieces - 1) / pieces, kPage);
+    std::atomic<int> err{0};
+    pool_->run(pieces, [&](size_t i) {
+      for (size_t off = i * step, end = std::min(bytes, off + step); off < end;) {
+        iovec l{static_cast<char*>(dst) + off, end - off};
+        iovec r{const_cast<char*>(static_cast<const char*>(remote)) + off, end - off};
+        ssize_t n = ::process_vm_readv(pid, &l, 1, &r, 1, 0);
+        if (n <= 0) {
+          err = n < 0 ? errno : EIO;
+          return;
+        }
+        off += static_cast<size_t>(n);
+      }
+    });
+    if (err == 0) return;
+    check_alive(peer);  // a dead peer is a TimeoutError like any other
+    throw Error(detail::concat("tide ", collective_, ": rank ", rank_, " cannot read rank ", peer,
+                               "'s buffer with process_vm_readv: ", std::strerror(err.load())));
+  }
+
+  void post(Flag f, uint32_t value) override {
+    FlagLine& l = flag(rank_, f);
+    l.value.store(value, std::memory_order_seq_cst);
+    if (l.waiters.load(std::memory_order_seq_cst) != 0) futex(&l.value, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+
+  void wait(int peer, Flag f, uint32_t value) override {
+    FlagLine& l = flag(peer, f);
+    if (reached(l.value.load(std::memory_order_acquire), value)) return;
+    const auto spin_until = Clock::now() + kSpin;
+    for (int i = 1;; ++i) {
+      _mm_pause();
+      if (reached(l.value.load(std::memory_order_acquire), value)) return;
+      if ((i & 31) == 0 && Clock::now() >= spin_until) break;
+    }
+    const timespec nap{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kNap).count()};
+    for (;;) {
+      l.waiters.fetch_add(1, std::memory_order_seq_cst);
+      uint32_t cur = l.value.load(std::memory_order_seq_cst);
+      if (!reached(cur, value)) futex(&l.value, FUTEX_WAIT, cur, &nap);
+      l.waiters.fetch_sub(1, std::memory_order_seq_cst);
+      if (reached(l.value.load(std::memory_order_acquire), value)) return;
+      check_alive(peer);
+    }
+  }
+
+  size_t max_exchange_bytes() const override { return layout_.record_bytes; }
+
+  void exchange(const void* mine, size_t bytes, void* all) override {
+    TIDE_CHECK(bytes <= layout_.record_bytes, "tide: control record of ", bytes, " bytes exceeds ",
+               layout_.record_bytes);
+    // Two records alternate: a peer reads my record k only before it posts k+1, and I pass
+    // exchange k+1 only after every peer posted it, so record k is free again at k+2.
+    const uint32_t k = ++exchanges_;
+    auto record = [&](int r) { return base_[r] + layout_.records_off + (k & 1) * layout_.record_bytes; };
+    if (bytes) std::memcpy(record(rank_), mine, bytes);
+    post(Flag::control(), k);
+    for (int i = 0; i < ws_; ++i) {
+      int p = (rank_ + i) % ws_;
+      if (p != rank_) wait(p, Flag::control(), k);
+      if (bytes) std::memcpy(static_cast<char*>(all) + static_cast<size_t>(p) * bytes, record(p), bytes);
+    }
+  }
+
+  void begin(const char* collective, std::string detail) override {
+    collective_ = collective;
+    detail_ = std::move(detail);
+    deadline_ = Clock::now() + timeout_;
+  }
+
+  void abort(const std::string& why) override {
+    Header* h = header(rank_);
+    if (h->aborted.load() != 0) return;
+    std::snprintf(h->abort_msg, sizeof h->abort_msg, "%s", why.c_str());
+    h->aborted.store(1, std::memory_order_release);
+  }
+
+ private:
+  Header* header(int r) { return reinterpret_cast<Header*>(base_[r]); }
+  FlagLine& flag(int r, Flag f) {
+    return reinterpret_cast<FlagLine*>(base_[r] + layout_.flags_off)[f.index];
+  }
+
+  // Between naps: the deadline, the awaited peer's death, and any rank's abort.
+  void check_alive(int peer) {
+    auto fail = [&](const std::string& what, bool with_detail) {
+      std::string msg = detail::concat("tide ", collective_, ": rank ", rank_, " ", what);
+      if (with_detail && !detail_.empty()) msg += " (" + detail_ + ")";
+      abort(msg);
+      throw TimeoutError(msg);
+    };
+    for (int r = 0; r < ws_; ++r) {
+      Header* h = header(r);
+      if (r == rank_ || h->aborted.load(std::memory_order_acquire) == 0) continue;
+      fail(detail::concat("gave up waiting for rank ", peer, " because rank ", r, " aborted: ",
+                          std::string(h->abort_msg, strnlen(h->abort_msg, sizeof h->abort_msg))), false);
+    }
+    if (process_dead(header(peer)->pid))
+      fail(detail::concat("was waiting for rank ", peer, ", but rank ", peer, " (pid ", header(peer)->pid, ") died"), true);
+    if (Clock::now() >= deadline_)
+      fail(detail::concat("timed out after ", timeout_.count(), " ms waiting for rank ", peer), true);
+  }
+
+  void rendezvous(Store& store, const std::string& ns, size_t staging) {
+    // Unique name: pid plus 64 random bits, so a stale or concurrent name never collides.
+    std::random_device rd;
+    uint64_t rnd = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    char name[96];
+    std::snprintf(name, sizeof name, "/%s%d-%016llx", kShmPrefix, static_cast<int>(::getpid()),
+                  static_cast<unsigned long long>(rnd));
+    int fd = ::shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    TIDE_CHECK(fd >= 0, "tide host transport: shm_open(", name, ") failed: ", std::strerror(errno));
+    own_name_ = name;
+    base_[rank_] = map(fd, name, true);
+
+    Header* h = header(rank_);
+    h->magic = kMagic;
+    h->rank = rank_;
+    h->pid = static_cast<int32_t>(::getpid());
+    h->self_addr = reinterpret_cast<uint64_t>(base_[rank_]);
+
+    const std::string prefix = ns + "/tide/host/";
+    Rendezvous mine{name, h->pid, staging, layout_.slot_bytes, ws_};
+    store.set(prefix + std::to_string(rank_), encode(mine));
+    std::vector<Rendezvous> all(ws_);
+    for (int r = 0; r < ws_; ++r)
+      all[r] = r == rank_ ? mine : decode(store.get(prefix + std::to_string(r), timeout_));
+    for (int r = 0; r < ws_; ++r) {
+      if (all[r].staging == staging && all[r].slot == layout_.slot_bytes && all[r].world_size == ws_) continue;
+      std::ostringstream os;
+      os << "tide host transport: ranks disagree on the shared-memory configuration "
+            "(TIDE_SHM_STAGING_BYTES / TIDE_SHM_SLOT_BYTES / world size):";
+      for (int q = 0; q < ws_; ++q)
+        os << (q ? ";" : "") << " rank " << q << ": staging=" << all[q].staging << " slot=" << all[q].slot
+           << " world_size=" << all[q].world_size;
+      throw Error(os.str());
+    }
+    for (int r = 0; r < ws_; ++r) {
+      if (r == rank_) continue;
+      int pfd = ::shm_open(all[r].name.c_str(), O_RDWR | O_CLOEXEC, 0);
+      TIDE_CHECK(pfd >= 0, "tide host transport: rank ", rank_, " cannot open rank ", r, "'s segment ",
+                 all[r].name, ": ", std::strerror(errno));
+      base_[r] = map(pfd, all[r].name.c_str(), false);
+      TIDE_CHECK(header(r)->magic == kMagic && header(r)->rank == r, "tide host transport: segment ",
+                 all[r].name, " does not belong to rank ", r);
+    }
+    // Everyone has mapped everything: the names can go, so nothing outlives the processes.
+    if (store.add(ns + "/tide/host/mapped", 1) == ws_) store.set(ns + "/tide/host/all_mapped", {1});
+    store.get(ns + "/tide/host/all_mapped", timeout_);
+    ::shm_unlink(own_name_.c_str());
+    own_name_.clear();
+  }
+
+  // Linux CMA lets all_gather read peers' inputs directly (one copy instead of two). It
+  // needs ptrace permission over the peer (same user, no restrictive Yama/seccomp), so
+  // every rank probes every peer and all use it only if all succeed. TIDE_CMA=0 disables.
+  void probe_cma() {
+    uint8_t ok = 1;
+    if (env::get_int("TIDE_CMA", 1) == 0) {
+      ok = 0;
+      cma_why_ = "disabled by TIDE_CMA=0";
+    }
+    for (int p = 0; p < ws_ && ok; ++p) {
+      if (p == rank_) continue;
+      uint64_t magic = 0;
+      iovec l{&magic, sizeof magic}, r{reinterpret_cast<void*>(header(p)->self_addr), sizeof magic};
+      if (::process_vm_readv(header(p)->pid, &l, 1, &r, 1, 0) != static_cast<ssize_t>(sizeof magic) || magic != kMagic) {
+        ok = 0;
+        cma_why_ = detail::concat("process_vm_readv of rank ", p, " failed: ", std::strerror(errno));
+      }
+    }
+    begin("init", "");
+    std::vector<uint8_t> all(ws_);
+    exchange(&ok, 1, all.data());
+    cma_ = ws_ > 1 && std::all_of(all.begin(), all.end(), [](uint8_t v) { return v == 1; });
+    if (ws_ == 1) cma_why_ = "single rank";
+    else if (ok && !cma_) cma_why_ = "another rank cannot use it";
+    else if (cma_) cma_why_ = "process_vm_readv works for every peer";
+  }
+
+  std::byte* map(int fd, const char* name, bool create) {
+    const size_t size = layout_.total;
+    int err = 0;
+    if (create) {
+      // Reserve the pages now: a full /dev/shm fails here rather than as SIGBUS later.
+      if (::ftruncate(fd, static_cast<off_t>(size)) != 0) err = errno;
+      else err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+    } else {
+      struct stat st {};
+      if (::fstat(fd, &st) != 0) err = errno;
+      else if (static_cast<size_t>(st.st_size) != size) err = EINVAL;
+    }
+    void* p = err ? MAP_FAILED : ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (!err && p == MAP_FAILED) err = errno;
+    ::close(fd);
+    TIDE_CHECK(p != MAP_FAILED, "tide host transport: cannot map ", mib(size), " of shared memory (", name,
+               "): ", std::strerror(err), create ? " (is /dev/shm large enough? see TIDE_SHM_STAGING_BYTES)" : "");
+    return static_cast<std::byte*>(p);
+  }
+
+  void unmap_all() {
+    for (auto& b : base_) {
+      if (b) ::munmap(b, layout_.total);
+      b = nullptr;
+    }
+  }
+
+  int rank_, ws_;
+  std::chrono::milliseconds timeout_;
+  Layout layout_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::vector<std::byte*> base_;
+  std::string own_name_;
+  uint32_t exchanges_ = 0;
+  bool cma_ = false;
+  std::string cma_why_;
+  const char* collective_ = "init";
+  std::string detail_;
+  Clock::time_point deadline_ = Clock::now();
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank, int world_size,
+                                               const CommOptions& options) {
+  TIDE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "tide host transport: invalid rank ", rank,
+             " for world size ", world_size);
+  return std::make_unique<ShmTransport>(store, ns, rank, world_size, options);
+}
+
+}  // namespace tide

@@ -1,0 +1,283 @@
+// Failure behaviour of the host communicator: mismatched arguments raise tide::Error on every
+// rank; a dead, killed or silent peer raises TimeoutError on every survivor within the
+// timeout; an error breaks the communicator; nothing leaks (no /dev/shm names, no fds).
+#include <dirent.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+
+#include "test_host_harness.hpp"
+#include "tide/host_transport.hpp"
+
+using namespace tide;
+using namespace tide::test;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+CommOptions opts(int timeout_ms) {
+  CommOptions o;
+  o.timeout = std::chrono::milliseconds(timeout_ms);
+  o.staging_bytes = 64 << 10;
+  o.num_threads = 1;
+  return o;
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// Runs `call`, requires it to throw E whose message contains every string in `needles`,
+// and returns the elapsed milliseconds.
+template <class E>
+double expect_throw(const std::function<void()>& call, std::vector<std::string> needles) {
+  auto t0 = Clock::now();
+  try {
+    call();
+  } catch (const E& e) {
+    std::string msg = e.what();
+    if constexpr (std::is_same_v<E, Error>)
+      TIDE_REQUIRE(dynamic_cast<const TimeoutError*>(&e) == nullptr, "expected Error, got TimeoutError: ", msg);
+    for (auto& n : needles) TIDE_REQUIRE(msg.find(n) != std::string::npos, "message lacks '", n, "': ", msg);
+    return ms_since(t0);
+  } catch (const std::exception& e) {
+    TIDE_REQUIRE(false, "wrong exception type: ", e.what());
+  }
+  TIDE_REQUIRE(false, "no exception");
+  return 0;
+}
+
+std::vector<std::string> shm_entries_of(const std::vector<int>& pids) {
+  std::vector<std::string> found;
+  DIR* d = ::opendir("/dev/shm");
+  if (!d) return found;
+  while (dirent* e = ::readdir(d)) {
+    std::string name = e->d_name;
+    for (int pid : pids)
+      if (name.rfind(std::string(kShmPrefix) + std::to_string(pid) + "-", 0) == 0) found.push_back(name);
+  }
+  ::closedir(d);
+  return found;
+}
+
+int count_fds() {
+  int n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d)) n += e->d_name[0] != '.';
+  ::closedir(d);
+  return n - 1;  // the directory stream itself
+}
+
+std::vector<int> reported_pids(const std::vector<Outcome>& out) {
+  std::vector<int> pids;
+  for (auto& o : out) {
+    auto at = o.text.find("pid=");
+    if (at != std::string::npos) pids.push_back(std::stoi(o.text.substr(at + 4)));
+  }
+  return pids;
+}
+
+TEST(HostFailures, MismatchedCountsRaiseOnEveryRankWithAllSizes) {
+  for (int ws : {2, 3}) {
+    auto out = run_ranks(ws, [](Rank& rk) {
+      auto comm = rk.comm(opts(10000));
+      const size_t count = rk.rank == 1 ? 512 : 1024;
+      std::vector<float> in(count, 1.0f);
+      std::vector<std::vector<float>> outs(rk.world_size, std::vector<float>(1024));
+      std::vector<void*> ptrs;
+      for (auto& o : outs) ptrs.push_back(o.data());
+      double ms = expect_throw<Error>([&] { comm->all_gather(in.data(), ptrs, count, DType::f32); },
+                                      {"tide all_gather: ranks disagree on the arguments: rank 0: count=1024 dtype=f32; "
+                                       "rank 1: count=512 dtype=f32"});
+      TIDE_REQUIRE(ms < 2000, "took ", ms, " ms");
+      // The communicator is broken from now on.
+      expect_throw<Error>([&] { comm->barrier(); }, {"tide barrier: the communicator is unusable"});
+    });
+    EXPECT_TRUE(all_ok(out)) << describe(out);
+  }
+}
+
+TEST(HostFailures, MismatchedDtypesKindsAndRootsRaiseOnEveryRank) {
+  auto out = run_ranks(3, [](Rank& rk) {
+    {
+      auto comm = rk.comm(opts(10000), "/dtype");
+      DType in = rk.rank == 2 ? DType::f32 : DType::bf16;
+      std::vector<float> buf(3 * 64), res(64);
+      std::vector<const void*> ins{buf.data(), buf.data() + 64, buf.data() + 128};
+      expect_throw<Error>([&] { comm->reduce_scatter(ins, res.data(), 64, in, DType::f32, {}); },
+                          {"tide reduce_scatter: ranks disagree", "rank 0: count=64 dtype=bf16->f32 op=sum",
+                           "rank 2: count=64 dtype=f32 op=sum"});
+    }
+    {
+      auto comm = rk.comm(opts(10000), "/kind");
+      std::vector<float> buf(16, 1.0f);
+      if (rk.rank == 0)
+        expect_throw<Error>([&] { comm->broadcast(buf.data(), 64, 0); },
+                            {"tide broadcast: ranks disagree", "rank 0: broadcast bytes=64 root=0",
+                             "rank 1: all_reduce count=16 dtype=f32 op=sum"});
+      else
+        expect_throw<Error>([&] { comm->all_reduce(buf.data(), 16, DType::f32, {}); },
+                            {"tide all_reduce: ranks disagree", "rank 0: broadcast bytes=64 root=0"});
+    }
+    {
+      auto comm = rk.comm(opts(10000), "/root");
+      std::vector<uint8_t> buf(10);
+      expect_throw<Error>([&] { comm->broadcast(buf.data(), 10, rk.rank == 0 ? 1 : 0); },
+                          {"rank 0: bytes=10 root=1; rank 1: bytes=10 root=0"});
+    }
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
+TEST(HostFailures, LocalArgumentErrorFailsFastEverywhere) {
+  auto out = run_ranks(3, [](Rank& rk) {
+    auto comm = rk.comm(opts(20000));
+    std::vector<float> in(8, 1.0f), o0(8), o1(8), o2(8);
+    std::vector<void*> ptrs{o0.data(), o1.data(), o2.data()};
+    if (rk.rank == 1) {
+      ptrs.pop_back();
+      expect_throw<Error>([&] { comm->all_gather(in.data(), ptrs, 8, DType::f32); },
+                          {"tide all_gather: rank 1 passed 2 outputs, expected world_size=3"});
+      expect_throw<Error>([&] { comm->broadcast(in.data(), 4, 7); }, {"unusable"});
+    } else {
+      // The others learn from rank 1's abort flag, long before the 20 s timeout.
+      double ms = expect_throw<TimeoutError>([&] { comm->all_gather(in.data(), ptrs, 8, DType::f32); },
+                                             {"tide all_gather:", "rank 1 aborted", "passed 2 outputs"});
+      TIDE_REQUIRE(ms < 3000, "took ", ms, " ms");
+    }
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+  // Purely local checks on one rank (world size 1 has no peers to disagree with).
+  auto solo = run_ranks(1, [](Rank& rk) {
+    std::vector<float> x(4);
+    expect_throw<Error>([&] { rk.comm(opts(1000))->reduce(x.data(), 4, DType::f32, {}, 1); },
+                        {"tide reduce: rank 0 got root 1 (world_size=1)"});
+    expect_throw<Error>([&] { rk.comm(opts(1000), "/b")->all_reduce(nullptr, 4, DType::f32, {}); },
+                        {"tide all_reduce: rank 0 passed a null buffer"});
+    expect_throw<Error>([&] { rk.comm(opts(1000), "/c")->all_reduce(x.data(), 4, DType::boolean, {ReduceOp::avg}); },
+                        {"tide all_reduce: avg is not defined for bool"});
+    expect_throw<Error>([&] { rk.comm(opts(1000), "/d")->send(x.data(), 4, 0, 0); }, {"tide send: rank 0 got peer 0"});
+  });
+  EXPECT_TRUE(all_ok(solo)) << describe(solo);
+}
+
+// A rank that leaves (_exit) or is SIGKILLed after joining: every survivor throws
+// TimeoutError naming the dead rank, well within the timeout.
+void dead_peer_case(int ws, bool sigkill, bool after_one_collective) {
+  auto out = run_ranks(ws, [&](Rank& rk) {
+    rk.report("pid=" + std::to_string(::getpid()));
+    auto comm = rk.comm(opts(10000));
+    std::vector<float> buf(100000, 1.0f);
+    if (after_one_collective) comm->all_reduce(buf.data(), buf.size(), DType::f32, {});
+    const int victim = ws - 1;
+    if (rk.rank == victim) {
+      if (sigkill) ::raise(SIGKILL);
+      ::_exit(7);
+    }
+    double ms = expect_throw<TimeoutError>([&] { comm->all_reduce(buf.data(), buf.size(), DType::f32, {}); },
+                                           {"tide all_reduce: rank " + std::to_string(rk.rank),
+                                            "rank " + std::to_string(victim) + " (pid", "died"});
+    TIDE_REQUIRE(ms < 2000, "took ", ms, " ms");
+    expect_throw<TimeoutError>([&] { comm->barrier(); }, {"unusable"});
+  });
+  for (int r = 0; r < ws - 1; ++r) EXPECT_EQ(out[r].exit_code, 0) << describe(out);
+  if (sigkill) EXPECT_EQ(out[ws - 1].signal, SIGKILL) << describe(out);
+  else EXPECT_EQ(out[ws - 1].exit_code, 7) << describe(out);
+  EXPECT_EQ(shm_entries_of(reported_pids(out)), std::vector<std::string>{});
+}
+
+TEST(HostFailures, ExitedPeerMakesSurvivorsThrow) {
+  dead_peer_case(2, false, false);
+  dead_peer_case(3, false, true);
+}
+
+TEST(HostFailures, SigkilledPeerMakesSurvivorsThrow) {
+  dead_peer_case(2, true, true);
+  dead_peer_case(4, true, false);
+}
+
+TEST(HostFailures, SilentPeerTimesOut) {
+  auto out = run_ranks(3, [](Rank& rk) {
+    auto comm = rk.comm(opts(1000));
+    std::vector<uint16_t> in(1024), o(3 * 1024);
+    std::vector<void*> ptrs{o.data(), o.data() + 1024, o.data() + 2048};
+    if (rk.rank == 2) {  // alive but never calls
+      std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+      return;
+    }
+    // The first survivor to time out aborts, so the other may report that instead.
+    double ms = expect_throw<TimeoutError>([&] { comm->all_gather(in.data(), ptrs, 1024, DType::bf16); },
+                                           {"tide all_gather: rank " + std::to_string(rk.rank),
+                                            " timed out after 1000 ms waiting for rank 2 (count=1024 dtype=bf16)"});
+    TIDE_REQUIRE(ms >= 990 && ms < 2400, "took ", ms, " ms");
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
+TEST(HostFailures, SendRecvTagMismatchRaisesOnBothSides) {
+  auto out = run_ranks(2, [](Rank& rk) {
+    auto comm = rk.comm(opts(10000));
+    std::vector<uint8_t> buf(100);
+    if (rk.rank == 0) {
+      comm->send(buf.data(), 100, 1, 5);  // eager: returns before the receiver looks
+      expect_throw<TimeoutError>([&] { comm->barrier(); }, {"rank 1 aborted", "tag 6"});
+    } else {
+      expect_throw<Error>([&] { comm->recv(buf.data(), 100, 0, 6); },
+                          {"tide recv: rank 1 expected 100 bytes with tag 6 from rank 0, but rank 0 sent 100 bytes "
+                           "with tag 5"});
+    }
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
+TEST(HostFailures, StagingConfigurationMustAgree) {
+  auto out = run_ranks(2, [](Rank& rk) {
+    rk.report("pid=" + std::to_string(::getpid()));
+    CommOptions o = opts(5000);
+    o.staging_bytes = rk.rank == 0 ? (64 << 10) : (128 << 10);
+    expect_throw<Error>([&] { rk.comm(o); }, {"ranks disagree on the shared-memory configuration", "rank 0: staging=65536",
+                                               "rank 1: staging=131072"});
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+  EXPECT_EQ(shm_entries_of(reported_pids(out)), std::vector<std::string>{});
+}
+
+TEST(HostLeaks, NoShmNamesAndNoFdsRemain) {
+  auto out = run_ranks(3, [](Rank& rk) {
+    rk.report("pid=" + std::to_string(::getpid()));
+    const int fds_before = count_fds();
+    for (int round = 0; round < 3; ++round) {
+      auto comm = rk.comm(opts(10000), "/" + std::to_string(round));
+      // Names are gone as soon as the communicator exists.
+      TIDE_REQUIRE(shm_entries_of({::getpid()}).empty(), "shm name still linked after creation");
+      std::vector<float> x(5000, 1.0f);
+      comm->all_reduce(x.data(), x.size(), DType::f32, {});
+      TIDE_REQUIRE(x[17] == static_cast<float>(rk.world_size), "all_reduce");
+    }
+    TIDE_REQUIRE(count_fds() == fds_before, "fds before ", fds_before, ", after ", count_fds());
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+  EXPECT_EQ(shm_entries_of(reported_pids(out)), std::vector<std::string>{});
+}
+
+TEST(HostDebug, TideDebugPrintsTheChosenTransport) {
+  auto out = run_ranks(2, [](Rank& rk) {
+    ::setenv("TIDE_DEBUG", "1", 1);
+    char path[] = "/tmp/tide-debug-XXXXXX";
+    int fd = ::mkstemp(path);
+    ::dup2(fd, 2);
+    rk.comm(opts(5000));
+    std::fflush(stderr);
+    std::string text(4096, '\0');
+    text.resize(::pread(fd, text.data(), text.size(), 0));
+    ::unlink(path);
+    TIDE_REQUIRE(text.find("[tide] host transport (posix shm): rank " + std::to_string(rk.rank) + "/2") != std::string::npos &&
+                     text.find("threads 1") != std::string::npos && text.find("staging 64 KiB") != std::string::npos,
+                 "debug output: ", text);
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
+}  // namespace

@@ -1,0 +1,78 @@
+"""Runs a function on N spawned ranks, with a process group per rank, and collects results.
+
+Each rank imports tide, calls init_process_group(backend, ...) over a FileStore in a fresh
+temp dir, runs fn(rank, world_size, *args) and sends back its return value or traceback.
+The parent fails on any rank's exception and kills every rank that outlives `timeout`.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+
+
+def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, queue):
+    try:
+        os.environ.setdefault("USE_LIBUV", "0")
+        import torch.distributed as dist
+
+        import tide  # noqa: F401  registers the backend
+
+        if backend is not None:
+            dist.init_process_group(
+                backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
+        result = fn(rank, world_size, *args)
+        if backend is not None:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001  every failure goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=60,
+              expect_exit=None):
+    """Returns [result of rank 0, ..., rank N-1]; raises AssertionError naming failed ranks.
+
+    expect_exit: ranks that are expected to die (they report nothing).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    expect_exit = set(expect_exit or ())
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_rank_main, daemon=True,
+                        args=(fn, r, world_size, init_file, backend, pg_timeout_s, args, queue))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results, errors = {}, {}
+        import queue as queue_mod
+        import time
+
+        deadline = time.monotonic() + timeout
+        want = world_size - len(expect_exit)
+        while len(results) + len(errors) < want and time.monotonic() < deadline:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                continue
+            (results if ok else errors)[rank] = value
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        missing = [r for r in range(world_size) if r not in results and r not in errors
+                   and r not in expect_exit]
+        if errors or missing:
+            msg = [f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
+            if missing:
+                msg.append(f"ranks {missing} did not finish within {timeout} s")
+            raise AssertionError("\n".join(msg))
+        return [results.get(r) for r in range(world_size)]
