@@ -6,7 +6,8 @@
 //   TIDE_SHM_SLOT_BYTES     pipeline slot size, default min(staging/2, 2M); ranks must agree
 //   TIDE_NUM_THREADS        copy/reduce threads per rank, default hardware threads / ranks,
 //                           at most 8; 1 = the calling thread only
-//   TIDE_CMA                0 disables direct reads of peers' buffers (process_vm_readv)
+//   TIDE_CMA                1 lets all_gather read peers' inputs directly (process_vm_readv)
+//                           when a probe at creation shows it works; default 0 (staging)
 //   TIDE_DEBUG              1 prints the transport, threads, staging and CMA decision
 #pragma once
 #include <memory>

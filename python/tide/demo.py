@@ -53,6 +53,10 @@ def _rss_kib(field):
 def train(rank, ws, run: Run, steps: int, batch: int, seq: int, init_file: str, queue):
     try:
         os.environ.setdefault("USE_LIBUV", "0")
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # no GPU-probe noise from the profiler
+        import warnings
+
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

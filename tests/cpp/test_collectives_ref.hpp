@@ -145,6 +145,7 @@ inline std::string check_reduction(const void* got, DType out, const std::vector
     default: break;
   }
   std::ostringstream os;
+  os.precision(17);
   if (!want.empty() || count == 0) {
     const size_t es = dtype_size(out);
     for (size_t i = 0; i < count; ++i)

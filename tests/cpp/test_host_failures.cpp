@@ -216,6 +216,24 @@ TEST(HostFailures, SilentPeerTimesOut) {
   EXPECT_TRUE(all_ok(out)) << describe(out);
 }
 
+TEST(HostFailures, PeerThatClosedItsCommunicatorIsReported) {
+  auto out = run_ranks(2, [](Rank& rk) {
+    auto comm = rk.comm(opts(10000));
+    std::vector<float> x(64, 1.0f);
+    comm->all_reduce(x.data(), 64, DType::f32, {});
+    if (rk.rank == 1) {
+      comm.reset();  // closes, but the process lives on past the survivor's check
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return;
+    }
+    double ms = expect_throw<TimeoutError>([&] { comm->all_reduce(x.data(), 64, DType::f32, {}); },
+                                           {"tide all_reduce: rank 0 was waiting for rank 1, but rank 1 closed its "
+                                            "communicator"});
+    TIDE_REQUIRE(ms < 1000, "took ", ms, " ms");
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
 TEST(HostFailures, SendRecvTagMismatchRaisesOnBothSides) {
   auto out = run_ranks(2, [](Rank& rk) {
     auto comm = rk.comm(opts(10000));
@@ -242,6 +260,37 @@ TEST(HostFailures, StagingConfigurationMustAgree) {
   });
   EXPECT_TRUE(all_ok(out)) << describe(out);
   EXPECT_EQ(shm_entries_of(reported_pids(out)), std::vector<std::string>{});
+}
+
+TEST(HostFailures, RankMissingFromRendezvousTimesOutAndAFailedJoinIsReported) {
+  auto out = run_ranks(3, [](Rank& rk) {
+    if (rk.rank == 2) {
+      // A rank that fails to join (here: a world size nobody else uses) tells the others.
+      expect_throw<Error>([&] { make_host_comm(*make_file_store(rk.store_dir), rk.ns, 2, 2, opts(5000)); },
+                          {"invalid rank 2 for world size 2"});
+      return;
+    }
+    // Ranks 0 and 1 wait for rank 2's key; it never comes (rank 2 failed before publishing).
+    double ms = expect_throw<TimeoutError>([&] { rk.comm(opts(1000)); },
+                                           {"tide host transport: rank " + std::to_string(rk.rank) +
+                                            " timed out after 1000 ms waiting for store key"});
+    TIDE_REQUIRE(ms < 2500, "took ", ms, " ms");
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+  // A rank that fails after the others started waiting publishes why (as the transport
+  // does when its own join fails); the waiters give up at once instead of at the timeout.
+  auto out2 = run_ranks(3, [](Rank& rk) {
+    if (rk.rank == 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::string why = "rank 2: cannot map 16 MiB of shared memory";
+      make_file_store(rk.store_dir)->set(rk.ns + "/tide/host/failed", std::vector<uint8_t>(why.begin(), why.end()));
+      return;
+    }
+    double ms = expect_throw<Error>([&] { rk.comm(opts(20000)); },
+                                    {"another rank failed to join: rank 2: cannot map 16 MiB"});
+    TIDE_REQUIRE(ms < 2000, "took ", ms, " ms");
+  });
+  EXPECT_TRUE(all_ok(out2)) << describe(out2);
 }
 
 TEST(HostLeaks, NoShmNamesAndNoFdsRemain) {

@@ -56,6 +56,7 @@ struct Header {
   int32_t rank;
   int32_t pid;
   uint64_t self_addr;  // where this rank mapped its own segment (the CMA probe reads it)
+  std::atomic<uint32_t> closed;  // the rank destroyed its communicator (it may live on)
   alignas(kLine) std::atomic<uint32_t> aborted;
   char abort_msg[512];
 };
@@ -152,9 +153,15 @@ class ShmTransport final : public Transport {
     try {
       rendezvous(store, ns, staging);
       probe_cma();
-    } catch (...) {
+    } catch (const std::exception& e) {
       if (!own_name_.empty()) ::shm_unlink(own_name_.c_str());
       unmap_all();
+      // Tell ranks still waiting in the store, so they fail now rather than at the timeout.
+      try {
+        std::string why = detail::concat("rank ", rank, ": ", e.what());
+        store.set(ns + "/tide/host/failed", std::vector<uint8_t>(why.begin(), why.end()));
+      } catch (...) {
+      }
       throw;
     }
     env::log(detail::concat("host transport (posix shm): rank ", rank, "/", ws, ", ns '", ns, "', staging ",
@@ -164,7 +171,10 @@ class ShmTransport final : public Transport {
                             timeout_.count(), " ms"));
   }
 
-  ~ShmTransport() override { unmap_all(); }
+  ~ShmTransport() override {
+    if (base_[rank_]) header(rank_)->closed.store(1, std::memory_order_release);
+    unmap_all();
+  }
 
   const char* name() const override { return "shm"; }
   int rank() const override { return rank_; }
@@ -315,6 +325,9 @@ class ShmTransport final : public Transport {
       fail(detail::concat("gave up waiting for rank ", peer, " because rank ", r, " aborted: ",
                           std::string(h->abort_msg, strnlen(h->abort_msg, sizeof h->abort_msg))), false);
     }
+    // Only the awaited peer: others may close legitimately once their part is done.
+    if (header(peer)->closed.load(std::memory_order_acquire))
+      fail(detail::concat("was waiting for rank ", peer, ", but rank ", peer, " closed its communicator"), true);
     if (process_dead(header(peer)->pid))
       fail(detail::concat("was waiting for rank ", peer, ", but rank ", peer, " (pid ", header(peer)->pid, ") died"), true);
     if (Clock::now() >= deadline_)
@@ -344,7 +357,7 @@ class ShmTransport final : public Transport {
     store.set(prefix + std::to_string(rank_), encode(mine));
     std::vector<Rendezvous> all(ws_);
     for (int r = 0; r < ws_; ++r)
-      all[r] = r == rank_ ? mine : decode(store.get(prefix + std::to_string(r), timeout_));
+      all[r] = r == rank_ ? mine : decode(wait_key(store, ns, prefix + std::to_string(r)));
     for (int r = 0; r < ws_; ++r) {
       if (all[r].staging == staging && all[r].slot == layout_.slot_bytes && all[r].world_size == ws_) continue;
       std::ostringstream os;
@@ -366,19 +379,21 @@ class ShmTransport final : public Transport {
     }
     // Everyone has mapped everything: the names can go, so nothing outlives the processes.
     if (store.add(ns + "/tide/host/mapped", 1) == ws_) store.set(ns + "/tide/host/all_mapped", {1});
-    store.get(ns + "/tide/host/all_mapped", timeout_);
+    wait_key(store, ns, ns + "/tide/host/all_mapped");
     ::shm_unlink(own_name_.c_str());
     own_name_.clear();
   }
 
   // Linux CMA lets all_gather read peers' inputs directly (one copy instead of two). It
   // needs ptrace permission over the peer (same user, no restrictive Yama/seccomp), so
-  // every rank probes every peer and all use it only if all succeed. TIDE_CMA=0 disables.
+  // every rank probes every peer and all use it only if all succeed. Opt-in (TIDE_CMA=1):
+  // on the 2-core dev VM the kernel's copy plus page pinning cost as much as the memcpy
+  // it saves, so staging stays the default.
   void probe_cma() {
     uint8_t ok = 1;
-    if (env::get_int("TIDE_CMA", 1) == 0) {
+    if (env::get_int("TIDE_CMA", 0) == 0) {
       ok = 0;
-      cma_why_ = "disabled by TIDE_CMA=0";
+      cma_why_ = "off by default, TIDE_CMA=1 to probe";
     }
     for (int p = 0; p < ws_ && ok; ++p) {
       if (p == rank_) continue;
@@ -396,6 +411,29 @@ class ShmTransport final : public Transport {
     if (ws_ == 1) cma_why_ = "single rank";
     else if (ok && !cma_) cma_why_ = "another rank cannot use it";
     else if (cma_) cma_why_ = "process_vm_readv works for every peer";
+  }
+
+  // store.get in short slices, failing early if another rank published a rendezvous failure.
+  std::vector<uint8_t> wait_key(Store& store, const std::string& ns, const std::string& key) {
+    const auto deadline = Clock::now() + timeout_;
+    const auto slice = std::min<std::chrono::milliseconds>(timeout_, std::chrono::milliseconds(100));
+    for (;;) {
+      try {
+        return store.get(key, slice);
+      } catch (const TimeoutError&) {
+        if (Clock::now() >= deadline)
+          throw TimeoutError(detail::concat("tide host transport: rank ", rank_, " timed out after ",
+                                            timeout_.count(), " ms waiting for store key '", key, "'"));
+      }
+      std::vector<uint8_t> why;
+      try {
+        why = store.get(ns + "/tide/host/failed", std::chrono::milliseconds(0));
+      } catch (const TimeoutError&) {
+        continue;
+      }
+      throw Error(detail::concat("tide host transport: rank ", rank_, " gives up, another rank failed to join: ",
+                                 std::string(why.begin(), why.end())));
+    }
   }
 
   std::byte* map(int fd, const char* name, bool create) {
