@@ -34,16 +34,24 @@ def sizes_between(lo: int, hi: int):
         s *= 4
 
 
-def timed(fn, min_iters=3, min_time=0.3, max_iters=200):
+def timed(fn, iters=5):
     fn()  # warm-up (first touch of buffers, shared-memory mapping)
     times = []
-    start = time.perf_counter()
-    while len(times) < max_iters and (len(times) < min_iters or time.perf_counter() - start < min_time):
+    for _ in range(iters):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2]  # median
+
+
+def agreed_iters(fn, sync, min_time=0.3, lo=3, hi=100):
+    """Every rank must run the same number of iterations: time one call, agree on the
+    slowest rank's time, and derive the count from it."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(lo, min(hi, int(min_time / max(sync(time.perf_counter() - t0), 1e-9))))
 
 
 def memcpy_gbps(nbytes=64 << 20):
@@ -52,7 +60,7 @@ def memcpy_gbps(nbytes=64 << 20):
     torch.set_num_threads(1)
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), min_iters=5)
+    t = timed(lambda: dst.copy_(src), iters=9)
     return nbytes / t / 1e9
 
 
@@ -67,6 +75,11 @@ def rank_main(rank, ws, init_file, per_rank_sizes, queue):
     dist.init_process_group("tide", init_method=f"file://{init_file}", rank=rank,
                             world_size=ws, timeout=timedelta(seconds=600))
     groups = {"tide": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+
+    def slowest(seconds):
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups["tide"])
+        return t.item()
     rows = []
     for nbytes in per_rank_sizes:
         count = nbytes // 4
@@ -82,11 +95,10 @@ def rank_main(rank, ws, init_file, per_rank_sizes, queue):
                 dist.reduce_scatter_tensor(rs_out, rs_in, group=group)
 
             for op, fn in (("all_gather", ag), ("reduce_scatter", rs)):
+                iters = agreed_iters(fn, slowest)
                 dist.barrier(group=groups["tide"])
-                t = timed(fn)
                 # Every rank measures; the slowest rank's median is the collective's time.
-                tt = torch.tensor([t], dtype=torch.float64)
-                dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=groups["tide"])
+                tt = torch.tensor([slowest(timed(fn, iters))], dtype=torch.float64)
                 rows.append(dict(op=op, impl=name, per_rank_bytes=nbytes, count=count * ws,
                                  time_s=tt.item(), size=nbytes * ws))
     dist.destroy_process_group()
@@ -149,6 +161,7 @@ def main(argv=None):
     for ws in args.world_sizes:
         results[ws] = run(ws, sizes)
         print_table(ws, results[ws], memcpy)
+        sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"memcpy_GBps": memcpy, "results": results}, f, indent=1)

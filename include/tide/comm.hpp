@@ -16,6 +16,7 @@
 #include <string>
 
 #include "tide/dtype.hpp"
+#include "tide/plan.hpp"
 #include "tide/store.hpp"
 
 namespace tide {
@@ -29,6 +30,69 @@ struct CommOptions {
 struct ReduceArgs {
   ReduceOp op = ReduceOp::sum;
   double premul_factor = 1.0;  // used by ReduceOp::premul_sum only
+};
+
+// Memory that every rank of a communicator maps: rank r's part is peer(r), local() is this
+// rank's. Allocated collectively (each rank passes the size of its own part); unmapped when
+// the last reference goes. Nothing survives the processes (names are unlinked at once).
+class SymmetricBuffer {
+ public:
+  virtual ~SymmetricBuffer() = default;
+  virtual std::byte* local() = 0;
+  virtual std::byte* peer(int rank) = 0;
+  virtual size_t bytes(int rank) const = 0;
+  // Returns the physical pages of [offset, offset + bytes) of the local part to the OS: the
+  // range stays mapped and reads as zeros until written again (FSDP2's "free the unsharded
+  // storage" without giving up the symmetric address).
+  virtual void release(size_t offset, size_t bytes) = 0;
+};
+
+// TIDE-AG: every rank's shard of every parameter of an FSDP2 group lands at the planner's
+// placement (plan::Shard::placement) in this rank's unsharded storage of that parameter,
+// read straight from the owner's shard memory and converted on the way (the
+// mixed-precision cast happens where the shard is read). Each byte is copied once.
+struct ParamAllGather {
+  const plan::GroupLayout* layout = nullptr;
+  // Rank r's padded sharded storage of param p: shard_offsets[p] bytes into shards->peer(r)
+  // (the same offsets on every rank), `shard_dtype` elements.
+  SymmetricBuffer* shards = nullptr;
+  std::span<const size_t> shard_offsets;
+  DType shard_dtype = DType::f32;
+  // This rank's unsharded storage of each parameter (layout->params[p].storage_numel
+  // elements of `storage_dtype`); private memory is fine.
+  std::span<void* const> storages;
+  DType storage_dtype = DType::f32;
+};
+
+// TIDE-RS: this rank's unsharded gradients (one per parameter, contiguous in the
+// parameter's shape, `grad_dtype`) are reduced over all ranks into each rank's sharded
+// gradients: param p's shard (plan::Shard::numel elements, the rest of its padded extent
+// zero-filled) at out_offsets[p] elements into `out` (`out_dtype`: f32, or grad_dtype).
+// Two phases per pipeline chunk: phase 1 copies this rank's slices into staging, phase 2
+// every rank reduces its slices from all ranks' staging, in rank order 0..n-1 (fp32
+// accumulation: bitwise reproducible), straight into its output. Staging is bounded and
+// independent of the world size.
+struct ParamReduceScatter {
+  const plan::GroupLayout* layout = nullptr;
+  std::span<const void* const> grads;
+  DType grad_dtype = DType::f32;
+  void* out = nullptr;
+  std::span<const int64_t> out_offsets;
+  DType out_dtype = DType::f32;
+  ReduceArgs op;
+  // Slot-Reuse: vacated all-gather storage this rank may use as staging: [offset, offset +
+  // bytes) of `reuse` (the same ranges on every rank). Pipeline slots that do not fit
+  // (plan::assign_staging_slots) use the communicator's own staging.
+  SymmetricBuffer* reuse = nullptr;
+  std::span<const plan::Region> reuse_regions;
+};
+
+// What the last param_reduce_scatter did with its staging (for tests and TIDE_DEBUG).
+struct StagingReport {
+  size_t slot_bytes = 0;
+  int num_slots = 0;
+  int reused_slots = 0;       // placed in vacated all-gather storage
+  size_t fallback_bytes = 0;  // in the communicator's own staging
 };
 
 class Comm {
@@ -64,6 +128,12 @@ class Comm {
   // Point to point: matched in call order per (sender, receiver) pair; tags must match.
   virtual void send(const void* buf, size_t bytes, int peer, int tag) = 0;
   virtual void recv(void* buf, size_t bytes, int peer, int tag) = 0;
+
+  // ---- the FSDP2 zero-copy path -------------------------------------------------------
+  // Collective: every rank passes the size of its own part.
+  virtual std::shared_ptr<SymmetricBuffer> allocate_symmetric(size_t bytes) = 0;
+  virtual void param_all_gather(const ParamAllGather& args) = 0;
+  virtual StagingReport param_reduce_scatter(const ParamReduceScatter& args) = 0;
 };
 
 // Ranks of one host over POSIX shared memory. `ns` names the group (distinct per

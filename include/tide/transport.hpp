@@ -9,6 +9,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 
@@ -30,6 +31,15 @@ struct Flag {
   // Sender side: chunks posted to `receiver`; receiver side: chunks taken from `sender`.
   static Flag sent(int receiver) { return {kFixed + 2 * static_cast<uint32_t>(receiver)}; }
   static Flag taken(int sender) { return {kFixed + 2 * static_cast<uint32_t>(sender) + 1}; }
+};
+
+// `count` runs of `run` elements, from src + k * src_stride to dst + k * dst_stride
+// (elements of the respective dtype), for k < count.
+struct StridedCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t run = 0, count = 0;
+  size_t dst_stride = 0, src_stride = 0;
 };
 
 class Transport {
@@ -58,6 +68,15 @@ class Transport {
   // dst[i] = op over srcs[k][i] in order k = 0..n-1 (see reduce_kernels.hpp).
   virtual void reduce(void* dst, DType dst_dtype, std::span<const void* const> srcs, DType src_dtype,
                       size_t count, ReduceArgs args) = 0;
+
+  // Batched strided copy with conversion (equal dtypes: plain copy; f32 -> bf16/f16 rounds
+  // to nearest even like the reduce kernels; bf16/f16 -> f32 widens), split over the
+  // engine's workers: big runs are split, small runs are batched. Blocks until done.
+  virtual void convert(std::span<const StridedCopy> ops, DType dst_dtype, DType src_dtype);
+
+  // Collective: memory every rank maps (see SymmetricBuffer in comm.hpp). Transports
+  // without peer-mapped memory throw.
+  virtual std::shared_ptr<SymmetricBuffer> allocate_symmetric(size_t bytes);
 
   // Optional one-sided get from a peer's private memory (host: Linux CMA,
   // process_vm_readv), so a collective can read a peer's user buffer directly instead of

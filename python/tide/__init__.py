@@ -5,13 +5,14 @@
 """
 from __future__ import annotations
 
-from . import _C
+from . import _C, fsdp
 from ._backend import BACKEND_NAME, register as _register
 
 __version__ = "0.1.0"
 __all__ = ["BACKEND_NAME", "reduce_scatter_tensor_mixed"]
 
 _register()
+fsdp.install()  # FSDP2 takes the zero-copy path on tide groups (TIDE_FSDP=0: off)
 
 
 def reduce_scatter_tensor_mixed(output, input, op=None, group=None, async_op=False):

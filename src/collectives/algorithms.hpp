@@ -64,6 +64,11 @@ void all_to_all(Ctx& c, const void* in, std::span<const size_t> send_bytes, std:
                 void* out, std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets,
                 size_t max_bytes);
 void send(Ctx& c, const void* buf, size_t bytes, int peer, int tag);
+
+// The FSDP2 zero-copy path (param_all_gather.cpp, param_reduce_scatter.cpp). Arguments are
+// checked and agreed; the descriptor exchange before them is the opening barrier.
+void param_all_gather(Ctx& c, const ParamAllGather& args);
+StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& args);
 void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag);
 
 }  // namespace tide::algo

@@ -1,10 +1,12 @@
 // The communicator: checks arguments (locally, then across ranks through one small control
 // exchange per call), then runs the algorithm over its transport. Any error breaks it and
 // raises the transport's abort flag, so peers fail fast instead of waiting out the timeout.
+#include <bit>
 #include <cstring>
 #include <sstream>
 #include <vector>
 
+#include "../core/convert.hpp"
 #include "algorithms.hpp"
 #include "tide/error.hpp"
 #include "tide/host_transport.hpp"
@@ -14,7 +16,7 @@ namespace tide {
 namespace {
 
 enum class Kind : uint8_t { all_gather = 1, reduce_scatter, all_reduce, reduce, broadcast, gather, scatter,
-                            all_to_all, barrier };
+                            all_to_all, barrier, allocate_symmetric, param_all_gather, param_reduce_scatter };
 
 const char* kind_name(Kind k) {
   switch (k) {
@@ -27,6 +29,9 @@ const char* kind_name(Kind k) {
     case Kind::scatter: return "scatter";
     case Kind::all_to_all: return "all_to_all";
     case Kind::barrier: return "barrier";
+    case Kind::allocate_symmetric: return "allocate_symmetric";
+    case Kind::param_all_gather: return "param_all_gather";
+    case Kind::param_reduce_scatter: return "param_reduce_scatter";
   }
   return "?";
 }
@@ -39,7 +44,32 @@ struct Desc {
   int32_t root = 0;
   uint64_t count = 0;  // elements, or bytes for the untyped collectives
   uint64_t addr = 0;   // all_gather: this rank's input address (for direct reads); not compared
+  // param_*: a hash of the group layout (shapes, element sizes, shard dims, world size) and
+  // of the other arguments that must agree (offsets, op factor, Slot-Reuse regions).
+  uint64_t hash = 0, aux = 0;
+  int32_t layout_ws = 0;  // param_*: the layout's world size
 };
+
+static_assert(sizeof(Desc) <= 64, "the control record holds 64 + 16 * world_size bytes");
+
+uint64_t fnv(uint64_t h, uint64_t v) {
+  for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+constexpr uint64_t kFnvBasis = 1469598103934665603ull;
+
+uint64_t layout_hash(const plan::GroupLayout& l) {
+  uint64_t h = fnv(kFnvBasis, static_cast<uint64_t>(l.world_size));
+  for (const plan::ParamLayout& p : l.params) {
+    h = fnv(h, p.shape.size());
+    for (int64_t d : p.shape) h = fnv(h, static_cast<uint64_t>(d));
+    h = fnv(h, static_cast<uint64_t>(p.elem_size));
+    h = fnv(h, static_cast<uint64_t>(p.shard_dim));
+    h = fnv(h, static_cast<uint64_t>(p.padded_shard_numel));
+    h = fnv(h, static_cast<uint64_t>(p.storage_numel));
+  }
+  return h;
+}
 
 std::string describe(const Desc& d, std::span<const uint64_t> a2a = {}) {
   std::ostringstream os;
@@ -64,14 +94,20 @@ std::string describe(const Desc& d, std::span<const uint64_t> a2a = {}) {
       os << "]";
       break;
     }
-    case Kind::barrier: break;
+    case Kind::barrier: case Kind::allocate_symmetric: break;
+    case Kind::param_all_gather: case Kind::param_reduce_scatter:
+      os << "params=" << d.root << " numel=" << d.count << " layout_world_size=" << d.layout_ws << " dtype="
+         << dtype_name(d.dtype) << "->" << dtype_name(d.out_dtype);
+      if (d.kind == Kind::param_reduce_scatter) os << " op=" << reduce_op_name(d.op);
+      os << " layout_hash=" << std::hex << d.hash << " args_hash=" << d.aux << std::dec;
+      break;
   }
   return os.str();
 }
 
 bool same(const Desc& a, const Desc& b) {
   return a.kind == b.kind && a.dtype == b.dtype && a.out_dtype == b.out_dtype && a.op == b.op &&
-         a.root == b.root && a.count == b.count;
+         a.root == b.root && a.count == b.count && a.hash == b.hash && a.aux == b.aux && a.layout_ws == b.layout_ws;
 }
 
 class HostComm final : public Comm {
@@ -186,6 +222,86 @@ class HostComm final : public Comm {
     run(d, [] {}, [] {});
   }
 
+  std::shared_ptr<SymmetricBuffer> allocate_symmetric(size_t bytes) override {
+    Desc d{Kind::allocate_symmetric, DType::u8, DType::u8, ReduceOp::sum, 0, 0};
+    std::shared_ptr<SymmetricBuffer> out;
+    run(d, [] {}, [&] { out = t_->allocate_symmetric(bytes); });
+    return out;
+  }
+
+  void param_all_gather(const ParamAllGather& a) override {
+    const char* name = "param_all_gather";
+    Desc d = param_desc(Kind::param_all_gather, a.layout, a.shard_dtype, a.storage_dtype, ReduceOp::sum);
+    if (a.layout) {
+      uint64_t h = kFnvBasis;
+      for (size_t o : a.shard_offsets) h = fnv(h, o);
+      d.aux = h;
+    }
+    run(d, [&] {
+      check_layout(name, a.layout);
+      const size_t np = a.layout->params.size();
+      TIDE_CHECK(can_convert(a.shard_dtype, a.storage_dtype), "tide param_all_gather: rank ", rank_,
+                 " cannot convert shard dtype ", dtype_name(a.shard_dtype), " to storage dtype ",
+                 dtype_name(a.storage_dtype), " (only equal types, f32 <-> bf16/f16)");
+      TIDE_CHECK(a.shards != nullptr || d.count == 0, "tide param_all_gather: rank ", rank_, " passed no shards buffer");
+      TIDE_CHECK(a.shard_offsets.size() == np && a.storages.size() == np, "tide param_all_gather: rank ", rank_,
+                 " passed ", a.shard_offsets.size(), " shard offsets and ", a.storages.size(), " storages for ", np,
+                 " parameters");
+      for (size_t p = 0; p < np; ++p)
+        check_ptr(name, a.storages[p], static_cast<size_t>(a.layout->params[p].storage_numel), "storages[", p, "]");
+    }, [&] {
+      check_layout_agreed(name, a.layout);
+      // Every rank knows every rank's shard sizes: all reach the same verdict.
+      const size_t es = dtype_size(a.shard_dtype);
+      for (size_t p = 0; p < a.layout->params.size(); ++p)
+        for (int r = 0; r < ws_; ++r) {
+          const size_t need = a.shard_offsets[p] + static_cast<size_t>(a.layout->params[p].padded_shard_numel) * es;
+          TIDE_CHECK(a.layout->params[p].shards[r].numel == 0 || need <= a.shards->bytes(r),
+                     "tide param_all_gather: parameter ", p, "'s shard on rank ", r, " needs bytes [",
+                     a.shard_offsets[p], ", ", need, ") of the shards buffer, which has ", a.shards->bytes(r),
+                     " bytes on rank ", r);
+        }
+      algo::param_all_gather(ctx_, a);
+    });
+  }
+
+  StagingReport param_reduce_scatter(const ParamReduceScatter& a) override {
+    const char* name = "param_reduce_scatter";
+    Desc d = param_desc(Kind::param_reduce_scatter, a.layout, a.grad_dtype, a.out_dtype, a.op.op);
+    uint64_t h = fnv(kFnvBasis, std::bit_cast<uint64_t>(a.op.op == ReduceOp::premul_sum ? a.op.premul_factor : 0.0));
+    h = fnv(h, a.reuse != nullptr);
+    for (const plan::Region& r : a.reuse_regions) {
+      h = fnv(h, static_cast<uint64_t>(r.offset));
+      h = fnv(h, static_cast<uint64_t>(r.bytes));
+    }
+    d.aux = h;
+    StagingReport report;
+    run(d, [&] {
+      check_layout(name, a.layout);
+      check_reduce(name, a.grad_dtype, a.out_dtype, a.op.op);
+      const size_t np = a.layout->params.size();
+      TIDE_CHECK(a.grads.size() == np && a.out_offsets.size() == np, "tide param_reduce_scatter: rank ", rank_,
+                 " passed ", a.grads.size(), " gradients and ", a.out_offsets.size(), " output offsets for ", np,
+                 " parameters");
+      for (size_t p = 0; p < np; ++p) {
+        check_ptr(name, a.grads[p], static_cast<size_t>(a.layout->params[p].numel), "grads[", p, "]");
+        TIDE_CHECK(a.out_offsets[p] >= 0, "tide param_reduce_scatter: rank ", rank_, " passed out_offsets[", p,
+                   "]=", a.out_offsets[p]);
+      }
+      check_ptr(name, a.out, d.count, "out");
+    }, [&] {
+      check_layout_agreed(name, a.layout);
+      if (a.reuse)
+        for (const plan::Region& r : a.reuse_regions)
+          for (int q = 0; q < ws_; ++q)
+            TIDE_CHECK(r.offset >= 0 && r.bytes >= 0 && static_cast<size_t>(r.offset + r.bytes) <= a.reuse->bytes(q),
+                       "tide param_reduce_scatter: Slot-Reuse region [", r.offset, ", ", r.offset + r.bytes,
+                       ") is outside rank ", q, "'s reuse buffer of ", a.reuse->bytes(q), " bytes");
+      report = algo::param_reduce_scatter(ctx_, a);
+    });
+    return report;
+  }
+
   void send(const void* buf, size_t bytes, int peer, int tag) override {
     p2p("send", peer, bytes, tag, [&] {
       check_ptr("send", buf, bytes, "buffer");
@@ -285,6 +401,29 @@ class HostComm final : public Comm {
       os << describe(ds[r], ds[r].kind == Kind::all_to_all ? std::span<const uint64_t>(a2a[r]) : std::span<const uint64_t>());
     }
     throw Error(os.str());
+  }
+
+  Desc param_desc(Kind k, const plan::GroupLayout* l, DType in, DType out, ReduceOp op) const {
+    Desc d{k, in, out, op, 0, 0};
+    if (!l) return d;
+    d.root = static_cast<int32_t>(l->params.size());
+    d.layout_ws = l->world_size;
+    for (const plan::ParamLayout& p : l->params) d.count += static_cast<uint64_t>(p.padded_shard_numel);
+    d.hash = layout_hash(*l);
+    return d;
+  }
+  // Local: the layout exists and is for this communicator (a layout that disagrees across
+  // ranks fails the descriptor check on every rank instead).
+  void check_layout(const char* name, const plan::GroupLayout* l) const {
+    TIDE_CHECK(l != nullptr, "tide ", name, ": rank ", rank_, " passed no layout");
+  }
+  // After the descriptor check (so every rank reaches the same verdict).
+  void check_layout_agreed(const char* name, const plan::GroupLayout* l) const {
+    TIDE_CHECK(l->world_size == ws_, "tide ", name, ": rank ", rank_, " passed a layout for world_size=",
+               l->world_size, " to a communicator of world_size=", ws_);
+    for (size_t p = 0; p < l->params.size(); ++p)
+      TIDE_CHECK(l->params[p].shards.size() == static_cast<size_t>(ws_), "tide ", name, ": rank ", rank_,
+                 ": parameter ", p, " of the layout has ", l->params[p].shards.size(), " shards, expected ", ws_);
   }
 
   void check_root(const char* name, int root) const {

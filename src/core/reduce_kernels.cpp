@@ -191,3 +191,38 @@ void reduce_kernel(void* dst, DType dst_dtype, const void* const* srcs, size_t n
 }
 
 }  // namespace tide
+
+// ---- conversions (src/core/convert.hpp) ---------------------------------------------------
+#include "convert.hpp"
+
+namespace tide {
+namespace {
+template <class S, class D>
+void convert_loop(void* dst, const void* src, size_t count) {
+  auto d = static_cast<D*>(dst);
+  auto s = static_cast<const S*>(src);
+  for (size_t i = 0; i < count; ++i) d[i] = store<D, float>(load<float, S>(s[i]));
+}
+}  // namespace
+
+bool can_convert(DType src, DType dst) {
+  if (src == dst) return true;
+  const bool half_src = src == DType::bf16 || src == DType::f16, half_dst = dst == DType::bf16 || dst == DType::f16;
+  return (src == DType::f32 && half_dst) || (half_src && dst == DType::f32);
+}
+
+void convert_kernel(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count) {
+  if (count == 0) return;
+  if (src_dtype == dst_dtype) {
+    std::memcpy(dst, src, count * dtype_size(src_dtype));
+    return;
+  }
+  if (src_dtype == DType::f32 && dst_dtype == DType::bf16) return convert_loop<float, bf16_t>(dst, src, count);
+  if (src_dtype == DType::f32 && dst_dtype == DType::f16) return convert_loop<float, f16_t>(dst, src, count);
+  if (src_dtype == DType::bf16 && dst_dtype == DType::f32) return convert_loop<bf16_t, float>(dst, src, count);
+  if (src_dtype == DType::f16 && dst_dtype == DType::f32) return convert_loop<f16_t, float>(dst, src, count);
+  throw Error(detail::concat("tide: cannot convert ", dtype_name(src_dtype), " to ", dtype_name(dst_dtype),
+                             " (only equal types, f32 <-> bf16/f16)"));
+}
+
+}  // namespace tide

@@ -620,6 +620,94 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::T
               ": receiving from any source is not supported; name the source rank");
 }
 
+std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes) {
+  auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
+  auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {},
+                      [this, bytes, result]() { *result = comm_->allocate_symmetric(bytes); });
+  work->wait();
+  return *result;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
+    const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
+    std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
+  OpContext ctx{"param_all_gather", getRank()};
+  const size_t n = layout.params.size();
+  TORCH_CHECK(shard_offsets.size() == n && storages.size() == n, "tide param_all_gather: rank ",
+              getRank(), ": ", n, " parameters but ", shard_offsets.size(), " shard offsets and ",
+              storages.size(), " storages");
+  TORCH_CHECK(layout.world_size == getSize(), "tide param_all_gather: rank ", getRank(),
+              ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
+  auto storage_dtype = storages.empty() ? DType::f32 : to_dtype(storages[0].scalar_type(), ctx);
+  for (size_t p = 0; p < n; ++p) {
+    check_tensor(storages[p], ctx, "storage");
+    TORCH_CHECK(storages[p].is_contiguous() && storages[p].numel() == layout.params[p].storage_numel &&
+                    to_dtype(storages[p].scalar_type(), ctx) == storage_dtype,
+                "tide param_all_gather: rank ", getRank(), ": storage of parameter ", p, " has ",
+                storages[p].numel(), " elements of ", storages[p].scalar_type(), ", expected ",
+                layout.params[p].storage_numel, " contiguous elements of one dtype");
+  }
+  auto src_dtype = to_dtype(shard_dtype, ctx);
+  return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages,
+                 [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype]() {
+                   std::vector<void*> ptrs;
+                   for (auto& t : storages) ptrs.push_back(t.data_ptr());
+                   tide::ParamAllGather args;
+                   args.layout = &layout;
+                   args.shards = shards.get();
+                   args.shard_offsets = shard_offsets;
+                   args.shard_dtype = src_dtype;
+                   args.storages = ptrs;
+                   args.storage_dtype = storage_dtype;
+                   comm_->param_all_gather(args);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
+    const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads, at::Tensor out,
+    std::vector<int64_t> out_offsets, const c10d::ReduceOp& op) {
+  OpContext ctx{"param_reduce_scatter", getRank()};
+  const size_t n = layout.params.size();
+  TORCH_CHECK(grads.size() == n && out_offsets.size() == n, "tide param_reduce_scatter: rank ",
+              getRank(), ": ", n, " parameters but ", grads.size(), " gradients and ",
+              out_offsets.size(), " output offsets");
+  TORCH_CHECK(layout.world_size == getSize(), "tide param_reduce_scatter: rank ", getRank(),
+              ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
+  check_tensor(out, ctx, "output");
+  TORCH_CHECK(out.is_contiguous(), "tide param_reduce_scatter: rank ", getRank(),
+              ": the output must be contiguous");
+  auto grad_dtype = n ? to_dtype(grads[0].scalar_type(), ctx) : DType::f32;
+  for (size_t p = 0; p < n; ++p) {
+    check_tensor(grads[p], ctx, "gradient");
+    TORCH_CHECK(grads[p].is_contiguous() && grads[p].numel() == layout.params[p].numel &&
+                    to_dtype(grads[p].scalar_type(), ctx) == grad_dtype,
+                "tide param_reduce_scatter: rank ", getRank(), ": gradient of parameter ", p,
+                " has ", grads[p].numel(), " elements of ", grads[p].scalar_type(), ", expected ",
+                layout.params[p].numel, " contiguous elements of one dtype");
+    TORCH_CHECK(out_offsets[p] >= 0 &&
+                    out_offsets[p] + layout.params[p].padded_shard_numel <= out.numel(),
+                "tide param_reduce_scatter: rank ", getRank(), ": parameter ", p,
+                "'s shard does not fit the output of ", out.numel(), " elements at offset ",
+                out_offsets[p]);
+  }
+  auto out_dtype = to_dtype(out.scalar_type(), ctx);
+  auto red = to_reduce(op, ctx);
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out},
+                 [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red]() {
+                   std::vector<const void*> ptrs;
+                   for (auto& g : grads) ptrs.push_back(g.data_ptr());
+                   tide::ParamReduceScatter args;
+                   args.layout = &layout;
+                   args.grads = ptrs;
+                   args.grad_dtype = grad_dtype;
+                   args.out = out.data_ptr();
+                   args.out_offsets = out_offsets;
+                   args.out_dtype = out_dtype;
+                   args.op = red;
+                   last_staging_ = comm_->param_reduce_scatter(args);
+                 });
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions&) {
   return enqueue(c10d::OpType::BARRIER, "tide:barrier", {}, [this]() { comm_->barrier(); });
 }

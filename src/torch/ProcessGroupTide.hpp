@@ -87,8 +87,23 @@ class ProcessGroupTide : public c10d::Backend {
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
-  // The communicator, for the FSDP2 integration's zero-copy paths.
-  tide::Comm& comm() { return *comm_; }
+  // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
+  // Collective, blocking: symmetric shared memory for the group's sharded parameters.
+  std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes);
+  // TIDE-AG: every rank's shards (in `shards`, at shard_offsets bytes) land at the planner's
+  // addresses in this rank's per-parameter unsharded storages, cast where read.
+  c10::intrusive_ptr<c10d::Work> param_all_gather(const tide::plan::GroupLayout& layout,
+                                                  std::shared_ptr<tide::SymmetricBuffer> shards,
+                                                  std::vector<size_t> shard_offsets,
+                                                  at::ScalarType shard_dtype,
+                                                  std::vector<at::Tensor> storages);
+  // TIDE-RS: per-parameter unsharded gradients reduced into the flat sharded output `out`
+  // (param p at out_offsets[p] elements), two-phase, fp32 accumulation in rank order.
+  c10::intrusive_ptr<c10d::Work> param_reduce_scatter(const tide::plan::GroupLayout& layout,
+                                                      std::vector<at::Tensor> grads, at::Tensor out,
+                                                      std::vector<int64_t> out_offsets,
+                                                      const c10d::ReduceOp& op);
+  tide::StagingReport last_staging_report() const { return last_staging_; }
 
  private:
   // Queues `fn` on the worker thread; the Work completes when it returns or throws.
@@ -101,6 +116,7 @@ class ProcessGroupTide : public c10d::Backend {
                                                       const char* name);
 
   std::unique_ptr<tide::Comm> comm_;
+  tide::StagingReport last_staging_;
   std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::condition_variable cv_;

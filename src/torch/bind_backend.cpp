@@ -1,6 +1,7 @@
 // Python bindings of ProcessGroupTide. python/tide/_backend.py registers it with
-// torch.distributed as the "tide" backend.
+// torch.distributed as the "tide" backend; python/tide/fsdp.py uses the param_* methods.
 #include <pybind11/chrono.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -8,11 +9,43 @@
 
 namespace tide::py {
 
+namespace {
+// A tensor over part of this rank's symmetric memory; the memory stays mapped while the
+// tensor (or any view of it) lives.
+at::Tensor symmetric_tensor(const std::shared_ptr<SymmetricBuffer>& buf, int rank, size_t offset,
+                            int64_t numel, at::ScalarType dtype) {
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  TORCH_CHECK(numel >= 0 && offset + bytes <= buf->bytes(rank), "tide: a tensor of ", numel,
+              " elements at offset ", offset, " does not fit this rank's ", buf->bytes(rank),
+              " bytes of symmetric memory");
+  auto keep = buf;
+  return at::from_blob(
+      buf->peer(rank) + offset, {numel}, [keep](void*) mutable { keep.reset(); },
+      at::TensorOptions().dtype(dtype).device(at::kCPU));
+}
+}  // namespace
+
 void bind_backend(pybind11::module_& m) {
   namespace py = pybind11;
   using tide::torch_backend::ProcessGroupTide;
   // c10d::Backend's Python type lives in torch._C._distributed_c10d.
   py::module_::import("torch.distributed");
+
+  py::class_<SymmetricBuffer, std::shared_ptr<SymmetricBuffer>>(
+      m, "SymmetricMemory", "Shared memory every rank of a tide group maps (one part per rank).")
+      .def("tensor", &symmetric_tensor, py::arg("rank"), py::arg("offset"), py::arg("numel"),
+           py::arg("dtype"), "A 1-D CPU tensor over `rank`'s part (normally this rank's own), "
+           "starting `offset` bytes in.")
+      .def("release", &SymmetricBuffer::release, py::arg("offset"), py::arg("bytes"),
+           "Returns the pages of a range of this rank's part to the OS (reads as zeros after).")
+      .def("nbytes", &SymmetricBuffer::bytes, py::arg("rank"));
+
+  py::class_<StagingReport>(m, "StagingReport")
+      .def_readonly("slot_bytes", &StagingReport::slot_bytes)
+      .def_readonly("num_slots", &StagingReport::num_slots)
+      .def_readonly("reused_slots", &StagingReport::reused_slots)
+      .def_readonly("fallback_bytes", &StagingReport::fallback_bytes);
+
   py::class_<ProcessGroupTide, c10d::Backend, c10::intrusive_ptr<ProcessGroupTide>>(
       m, "ProcessGroupTide", "The tide c10d backend (host shared-memory transport).")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -20,7 +53,16 @@ void bind_backend(pybind11::module_& m) {
              return c10::make_intrusive<ProcessGroupTide>(store, rank, size, timeout, group_name);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>());
+           py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>())
+      .def("allocate_symmetric", &ProcessGroupTide::allocate_symmetric, py::arg("bytes"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("param_all_gather", &ProcessGroupTide::param_all_gather, py::arg("layout"),
+           py::arg("shards"), py::arg("shard_offsets"), py::arg("shard_dtype"),
+           py::arg("storages"), py::call_guard<py::gil_scoped_release>())
+      .def("param_reduce_scatter", &ProcessGroupTide::param_reduce_scatter, py::arg("layout"),
+           py::arg("grads"), py::arg("out"), py::arg("out_offsets"), py::arg("op"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("last_staging_report", &ProcessGroupTide::last_staging_report);
 }
 
 }  // namespace tide::py

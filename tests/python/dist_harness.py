@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import traceback
 from datetime import timedelta
 
 
-def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, queue):
+def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwargs, queue):
     try:
         os.environ.setdefault("USE_LIBUV", "0")
         import torch.distributed as dist
@@ -25,17 +26,20 @@ def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, que
                 backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                 timeout=timedelta(seconds=pg_timeout_s),
             )
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **kwargs)
         if backend is not None:
             dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die
+        # with this process.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001  every failure goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
 
 
 def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=60,
-              expect_exit=None):
-    """Returns [result of rank 0, ..., rank N-1]; raises AssertionError naming failed ranks.
+              expect_exit=None, kwargs=None):
+    """Runs fn(rank, world_size, *args, **kwargs) on every rank and returns
+    [result of rank 0, ..., rank N-1]; raises AssertionError naming failed ranks.
 
     expect_exit: ranks that are expected to die (they report nothing).
     """
@@ -46,7 +50,8 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
         init_file = os.path.join(tmp, "store")
         procs = [
             ctx.Process(target=_rank_main, daemon=True,
-                        args=(fn, r, world_size, init_file, backend, pg_timeout_s, args, queue))
+                        args=(fn, r, world_size, init_file, backend, pg_timeout_s, args,
+                              kwargs or {}, queue))
             for r in range(world_size)
         ]
         for p in procs:
@@ -75,4 +80,4 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
             if missing:
                 msg.append(f"ranks {missing} did not finish within {timeout} s")
             raise AssertionError("\n".join(msg))
-        return [results.get(r) for r in range(world_size)]
+        return [pickle.loads(results[r]) if r in results else None for r in range(world_size)]

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../core/convert.hpp"
 #include "../../core/env.hpp"
 #include "tide/error.hpp"
 #include "tide/host_transport.hpp"
@@ -129,6 +130,58 @@ Rendezvous decode(const std::vector<uint8_t>& v) {
   return r;
 }
 
+// One mapping per rank; the names are gone once allocate_symmetric returns, so the memory
+// lives exactly as long as some process maps it. Unmapping is local: peers may have unmapped
+// theirs already (or died), which does not affect this rank's mappings.
+class ShmSymmetric final : public SymmetricBuffer {
+ public:
+  ShmSymmetric(int rank, std::vector<std::byte*> base, std::vector<size_t> bytes)
+      : rank_(rank), base_(std::move(base)), bytes_(std::move(bytes)) {}
+  ~ShmSymmetric() override {
+    for (size_t r = 0; r < base_.size(); ++r)
+      if (base_[r]) ::munmap(base_[r], bytes_[r]);
+  }
+  std::byte* local() override { return base_[rank_]; }
+  std::byte* peer(int rank) override {
+    TIDE_CHECK(rank >= 0 && static_cast<size_t>(rank) < base_.size(), "tide SymmetricBuffer::peer: rank ", rank,
+               " out of range (world_size=", base_.size(), ")");
+    return base_[rank];
+  }
+  size_t bytes(int rank) const override {
+    TIDE_CHECK(rank >= 0 && static_cast<size_t>(rank) < bytes_.size(), "tide SymmetricBuffer::bytes: rank ", rank,
+               " out of range (world_size=", bytes_.size(), ")");
+    return bytes_[rank];
+  }
+  void release(size_t offset, size_t bytes) override {
+    const size_t size = bytes_[rank_];
+    TIDE_CHECK(offset <= size && bytes <= size - offset, "tide SymmetricBuffer::release: rank ", rank_,
+               ": range [", offset, ", ", offset + bytes, ") is outside its ", size, " bytes");
+    if (bytes == 0) return;
+    std::byte* b = base_[rank_];
+    const size_t end = offset + bytes;
+    size_t lo = align_up(offset, kPage), hi = end / kPage * kPage;
+    if (lo >= hi) {  // no whole page inside: just zero it
+      std::memset(b + offset, 0, bytes);
+      return;
+    }
+    std::memset(b + offset, 0, lo - offset);
+    std::memset(b + hi, 0, end - hi);
+    // MADV_REMOVE punches a hole in the shm object: the pages go back to the OS and read
+    // as zeros for every rank mapping them, until written again.
+    if (::madvise(b + lo, hi - lo, MADV_REMOVE) != 0) {
+      const int err = errno;
+      std::memset(b + lo, 0, hi - lo);
+      throw Error(detail::concat("tide SymmetricBuffer::release: rank ", rank_, ": madvise(MADV_REMOVE) of ",
+                                 hi - lo, " bytes at offset ", lo, " failed: ", std::strerror(err)));
+    }
+  }
+
+ private:
+  int rank_;
+  std::vector<std::byte*> base_;
+  std::vector<size_t> bytes_;
+};
+
 class ShmTransport final : public Transport {
  public:
   ShmTransport(Store& store, const std::string& ns, int rank, int ws, const CommOptions& opt)
@@ -220,6 +273,89 @@ class ShmTransport final : public Transport {
       reduce_kernel(static_cast<char*>(dst) + off * out_es, dst_dtype, s.data(), s.size(), src_dtype,
                     std::min(step, count - off), args);
     });
+  }
+
+  void convert(std::span<const StridedCopy> ops, DType dst_dtype, DType src_dtype) override {
+    TIDE_CHECK(can_convert(src_dtype, dst_dtype), "tide ", collective_, ": rank ", rank_, " cannot convert ",
+               dtype_name(src_dtype), " to ", dtype_name(dst_dtype), " (only equal types, f32 <-> bf16/f16)");
+    const size_t des = dtype_size(dst_dtype), ses = dtype_size(src_dtype);
+    // Element prefix sums over the ops; each worker takes an even share of the elements,
+    // whatever runs they fall in.
+    std::vector<size_t> start(ops.size() + 1, 0);
+    for (size_t i = 0; i < ops.size(); ++i) start[i + 1] = start[i] + ops[i].run * ops[i].count;
+    const size_t total = start.back();
+    if (total == 0) return;
+    const size_t pieces = std::min<size_t>(pool_->size(), std::max<size_t>(1, total * std::max(des, ses) / kMinPiece));
+    const size_t step = align_up((total + pieces - 1) / pieces, 64);
+    auto work = [&](size_t i) {
+      size_t k = i * step;
+      const size_t end = std::min(total, k + step);
+      if (k >= end) return;
+      size_t o = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), k) - start.begin()) - 1;
+      while (k < end) {
+        const StridedCopy& op = ops[o];
+        const size_t local = k - start[o];
+        const size_t q = local / std::max<size_t>(op.run, 1), off = local % std::max<size_t>(op.run, 1);
+        const size_t n = std::min(op.run - off, end - k);
+        convert_kernel(static_cast<std::byte*>(op.dst) + (q * op.dst_stride + off) * des, dst_dtype,
+                       static_cast<const std::byte*>(op.src) + (q * op.src_stride + off) * ses, src_dtype, n);
+        k += n;
+        while (o + 1 < ops.size() && k >= start[o + 1]) ++o;
+      }
+    };
+    if (pieces <= 1) return work(0);
+    pool_->run(pieces, work);
+  }
+
+  std::shared_ptr<SymmetricBuffer> allocate_symmetric(size_t bytes) override {
+    // My segment (none for 0 bytes), then names and sizes through the control exchange.
+    struct Record {
+      char name[48];
+      uint64_t bytes;
+    };
+    static_assert(sizeof(Record) <= 64);
+    std::vector<std::byte*> base(ws_, nullptr);
+    std::vector<size_t> sizes(ws_, 0);
+    std::string own;
+    auto cleanup = [&] {
+      if (!own.empty()) ::shm_unlink(own.c_str());
+      for (int r = 0; r < ws_; ++r)
+        if (base[r]) ::munmap(base[r], sizes[r]);
+    };
+    try {
+      Record mine{};
+      mine.bytes = bytes;
+      if (bytes > 0) {
+        std::random_device rd;
+        uint64_t rnd = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+        std::snprintf(mine.name, sizeof mine.name, "/%ssym%d-%016llx", kShmPrefix, static_cast<int>(::getpid()),
+                      static_cast<unsigned long long>(rnd));
+        int fd = ::shm_open(mine.name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+        TIDE_CHECK(fd >= 0, "tide allocate_symmetric: rank ", rank_, ": shm_open(", mine.name, ") of ", bytes,
+                   " bytes failed: ", std::strerror(errno));
+        own = mine.name;
+        sizes[rank_] = bytes;
+        base[rank_] = map_symmetric(fd, mine.name, bytes, true, rank_);
+      }
+      std::vector<Record> all(ws_);
+      exchange(&mine, sizeof mine, all.data());
+      for (int r = 0; r < ws_; ++r) {
+        if (r == rank_ || all[r].bytes == 0) continue;
+        all[r].name[sizeof all[r].name - 1] = '\0';
+        int fd = ::shm_open(all[r].name, O_RDWR | O_CLOEXEC, 0);
+        TIDE_CHECK(fd >= 0, "tide allocate_symmetric: rank ", rank_, " cannot open rank ", r, "'s segment ",
+                   all[r].name, " of ", all[r].bytes, " bytes: ", std::strerror(errno));
+        sizes[r] = all[r].bytes;
+        base[r] = map_symmetric(fd, all[r].name, all[r].bytes, false, r);
+      }
+      barrier();  // everyone mapped everything: the names can go
+      if (!own.empty()) ::shm_unlink(own.c_str());
+      own.clear();
+    } catch (...) {
+      cleanup();
+      throw;
+    }
+    return std::make_shared<ShmSymmetric>(rank_, std::move(base), std::move(sizes));
   }
 
   bool can_get() const override { return cma_; }
@@ -453,6 +589,26 @@ class ShmTransport final : public Transport {
     ::close(fd);
     TIDE_CHECK(p != MAP_FAILED, "tide host transport: cannot map ", mib(size), " of shared memory (", name,
                "): ", std::strerror(err), create ? " (is /dev/shm large enough? see TIDE_SHM_STAGING_BYTES)" : "");
+    return static_cast<std::byte*>(p);
+  }
+
+  // Maps (and, creating, reserves) a symmetric segment of `bytes`; closes fd.
+  std::byte* map_symmetric(int fd, const char* name, size_t bytes, bool create, int owner) {
+    int err = 0;
+    if (create) {
+      if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) err = errno;
+      else err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    } else {
+      struct stat st {};
+      if (::fstat(fd, &st) != 0) err = errno;
+      else if (static_cast<size_t>(st.st_size) != bytes) err = EINVAL;
+    }
+    void* p = err ? MAP_FAILED : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (!err && p == MAP_FAILED) err = errno;
+    ::close(fd);
+    TIDE_CHECK(p != MAP_FAILED, "tide allocate_symmetric: rank ", rank_, " cannot map rank ", owner, "'s ",
+               mib(bytes), " of shared memory (", name, "): ", std::strerror(err),
+               create ? " (is /dev/shm large enough?)" : "");
     return static_cast<std::byte*>(p);
   }
 

@@ -1,0 +1,295 @@
+"""Zero-copy FSDP2 on a ``tide`` process group.
+
+FSDP2's param group calls three module-level functions around its collectives
+(``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``). ``import
+tide`` replaces them with the functions below, which take TIDE's path when the group's
+backend is tide and hand everything else to the originals unchanged:
+
+* TIDE-AG: each rank's sharded parameters live in symmetric shared memory; every rank
+  reads every shard straight from its owner into the parameter's own unsharded storage
+  (``FSDPParam.all_gather_outputs``) at the planner's address, casting to the param dtype
+  on the way. No copy-in, no flat buffer, no copy-out.
+* TIDE-RS: each parameter's unsharded gradient (bf16 or fp32) is read directly and reduced
+  over ranks, in fp32 and rank order, into the flat sharded-gradient output that FSDP2
+  views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
+  bounded and independent of the world size.
+
+``TIDE_FSDP=0`` switches the replacement off.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+_SEAMS = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+_originals: dict = {}
+_MIN_TORCH = (2, 11)
+_ALIGN = 64  # byte alignment of each shard inside the symmetric buffer
+
+
+def _debug(msg: str) -> None:
+    if os.environ.get("TIDE_DEBUG", "0") not in ("", "0"):
+        print(f"[tide] {msg}", flush=True)
+
+
+_warned: set = set()
+
+
+def _fallback(what: str, why: str) -> None:
+    """A tide group taking FSDP2's stock path: one warning per reason, and a debug line."""
+    _debug(f"{what}: stock FSDP2 path ({why})")
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"tide: FSDP2 {what} takes the stock (copying) path: {why}", stacklevel=3)
+
+
+# ---- when TIDE's path applies ---------------------------------------------------------------
+def _tide_backend(group, device):
+    if group is None or device.type != "cpu":
+        return None
+    try:
+        backend = group._get_backend(device)
+    except (RuntimeError, ValueError):
+        return None
+    return backend if isinstance(backend, _C.ProcessGroupTide) else None
+
+
+def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_common import compiled_autograd_enabled
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if backend is None:
+        return "not a tide CPU group"
+    if not isinstance(all_gather_comm, DefaultAllGather):
+        return "a custom all-gather (set_custom_all_gather) is installed"
+    if compiled_autograd_enabled():
+        return "compiled autograd"
+    for fp in fsdp_params:
+        if fp.sharded_state != ShardedState.SHARDED:
+            return "parameters resharded to a smaller mesh after forward (reshard_after_forward=int)"
+        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
+            return "a tensor subclass with fsdp_pre_all_gather"
+        if type(fp._sharded_param_data) is not torch.Tensor or fp.offload_to_cpu:
+            return "CPU offload or a tensor subclass"
+    return None
+
+
+# ---- per param-group state: the planner's layout and the symmetric shard home --------------
+@dataclass
+class _GroupState:
+    layout: object  # tide._C.plan.GroupLayout
+    shards: object  # tide._C.SymmetricMemory
+    offsets: list  # bytes, per parameter
+    homes: list  # tensors over this rank's part of `shards`, one per parameter
+    dtype: torch.dtype
+    world_size: int
+
+
+def _plan(fsdp_params, world_size):
+    params = []
+    for fp in fsdp_params:
+        params.append(_C.plan.Param(list(fp._orig_size), fp.orig_dtype.itemsize,
+                                    fp.fsdp_placement.dim))
+    return _C.plan.plan_group(params, world_size)
+
+
+def _rebind(fp, home):
+    """Points the FSDPParam's sharded storage and the DTensor's local tensor at `home`,
+    keeping sizes and strides: the optimizer and state_dict see the same parameter."""
+    with torch.no_grad():
+        local = fp._sharded_local_tensor
+        local.set_(home.untyped_storage(), 0, local.size(), local.stride())
+        fp._sharded_param_data = home
+
+
+def _group_state(fsdp_params, group, backend):
+    """Created at the group's first all-gather (a collective point on every rank)."""
+    fp0 = fsdp_params[0]
+    state = getattr(fp0, "_tide_state", None)
+    ws = group.size()
+    if state is not None and state.world_size == ws:
+        # Re-home shards whose storage was replaced (load_state_dict(assign=True), _apply).
+        for fp, home in zip(fsdp_params, state.homes):
+            if fp._sharded_param_data.data_ptr() != home.data_ptr():
+                home.copy_(fp._sharded_param_data.view(-1))
+                _rebind(fp, home)
+        return state
+    dtypes = {fp.orig_dtype for fp in fsdp_params}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    offsets, total = [], 0
+    for fp in fsdp_params:
+        offsets.append(total)
+        nbytes = fp._sharded_param_data.numel() * dtype.itemsize
+        total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    shards = backend.allocate_symmetric(total)
+    homes = []
+    for fp, off in zip(fsdp_params, offsets):
+        home = shards.tensor(group.rank(), off, fp._sharded_param_data.numel(), dtype)
+        home.copy_(fp._sharded_param_data.view(-1))
+        _rebind(fp, home)
+        homes.append(home)
+    state = _GroupState(_plan(fsdp_params, ws), shards, offsets, homes, dtype, ws)
+    for fp in fsdp_params:
+        fp._tide_state = state
+    _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory "
+           f"({total} bytes per rank)")
+    return state
+
+
+# ---- TIDE-AG ----------------------------------------------------------------------------------
+class _ZeroCopyMarker:
+    """Stands in for FSDP2's flat all-gather output: there is none."""
+
+
+def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
+                       all_gather_stream, device, all_gather_comm):
+    backend = _tide_backend(group, device)
+    why = _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend)
+    state = _group_state(fsdp_params, group, backend) if why is None else None
+    if state is None:
+        if backend is not None:
+            _fallback("all-gather", why or "parameters of mixed dtypes in one group")
+        return _originals["foreach_all_gather"](
+            fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream,
+            device, all_gather_comm)
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
+
+    ws = group.size()
+    storages, dtypes, numels = [], [], []
+    for fp in fsdp_params:
+        dtype = fp.param_dtype or fp.orig_dtype
+        numel = fp._sharded_param_data.numel()
+        fp.init_all_gather_outputs([numel], [dtype], ws, device)
+        fp.alloc_all_gather_outputs()
+        storages.append(fp.all_gather_outputs[0])
+        dtypes.append([dtype])
+        numels.append([numel])
+    work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
+                                    storages)
+    if not async_op:
+        work.wait()
+        work = None
+    marker = torch.empty(0)
+    marker._tide_zero_copy = True
+    return AllGatherResult(marker, None, work, dtypes, numels, [n[0] for n in numels])
+
+
+def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
+    if not getattr(all_gather_result.all_gather_output, "_tide_zero_copy", False):
+        return _originals["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
+    work = all_gather_result.all_gather_work
+    if work is not None:
+        work.wait()  # the shards are already in place: nothing to copy out
+
+
+# ---- TIDE-RS ----------------------------------------------------------------------------------
+def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                   reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
+                   all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
+                   all_reduce_hook, force_sum_reduction_for_comms=False):
+    args = (fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+            reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
+            all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
+            all_reduce_hook, force_sum_reduction_for_comms)
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as C
+
+    backend = _tide_backend(reduce_scatter_group, device)
+    grad_dtype = unsharded_grads[0].dtype
+    reduce_dtype = reduce_dtype or grad_dtype
+    factors = C._get_gradient_divide_factors(
+        reduce_scatter_group, all_reduce_group, reduce_dtype, device.type,
+        gradient_divide_factor, force_sum_reduction_for_comms)
+    predivide, postdivide, rs_op, _ = factors
+    why = None
+    if backend is None:
+        why = "not a tide CPU group"
+    elif reduce_scatter_group.size() == 1:
+        why = "world size 1"
+    elif all_reduce_group is not None or partial_reduce_output is not None:
+        why = "HSDP (replicate all-reduce)"
+    elif not isinstance(reduce_scatter_comm, C.DefaultReduceScatter):
+        why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
+    elif predivide is not None:
+        why = "pre-division for fp16 overflow safety"
+    elif reduce_dtype not in (torch.float32, grad_dtype):
+        why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
+    elif len({g.dtype for g in unsharded_grads}) != 1 or any(
+            fp.offload_to_cpu for fp in fsdp_params):
+        why = "mixed gradient dtypes or CPU offload"
+    if why is not None:
+        if backend is not None and why != "world size 1":
+            _fallback("reduce-scatter", why)
+        return _originals["foreach_reduce"](*args)
+
+    ws = reduce_scatter_group.size()
+    state = getattr(fsdp_params[0], "_tide_state", None)
+    layout = state.layout if state is not None and state.world_size == ws else _plan(fsdp_params, ws)
+    padded = [lp.padded_shard_numel for lp in layout.params]
+    out_offsets = [sum(padded[:i]) for i in range(len(padded))]
+    reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
+    grads = [g.contiguous() for g in unsharded_grads]
+    backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op).wait()
+    del grads
+    unsharded_grads.clear()  # autograd's gradients can go now
+
+    if all_reduce_hook is not None:
+        all_reduce_hook(reduce_output)
+    C._div_if_needed(reduce_output, postdivide)
+    reduce_output = C._to_dtype_if_needed(reduce_output, orig_dtype)
+    # View the flat output per parameter and accumulate, exactly as stock foreach_reduce.
+    for offset, fp in zip(out_offsets, fsdp_params):
+        new_sharded_grad = torch.as_strided(reduce_output, size=fp.sharded_size,
+                                            stride=fp.contiguous_sharded_stride,
+                                            storage_offset=offset)
+        if fp.sharded_param.grad is not None:
+            fp.sharded_param.grad._local_tensor += new_sharded_grad
+        else:
+            fp.sharded_param.grad = fp.to_sharded_dtensor(new_sharded_grad)
+        for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
+            hook(fp.sharded_param)
+    stream = torch.cpu.current_stream()
+    event = stream.record_event()
+    return (torch.empty(0, device=device), event, event, None, None, None)
+
+
+# ---- installing the seams -----------------------------------------------------------------------
+def install() -> bool:
+    """Replaces FSDP2's seams; returns False (with one warning saying why) when it cannot."""
+    if os.environ.get("TIDE_FSDP", "1") == "0":
+        return False
+    if _originals:
+        return True
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
+    except ImportError as e:
+        warnings.warn(f"tide: FSDP2 not found ({e}); zero-copy FSDP2 is off", stacklevel=2)
+        return False
+    missing = [s for s in _SEAMS if not hasattr(PG, s)]
+    if version < _MIN_TORCH or missing:
+        warnings.warn(
+            f"tide: torch {torch.__version__} "
+            + (f"lacks FSDP2's {missing}" if missing else f"is older than {_MIN_TORCH}")
+            + "; FSDP2 runs its stock path over the tide backend", stacklevel=2)
+        return False
+    for name in _SEAMS:
+        _originals[name] = getattr(PG, name)
+        setattr(PG, name, globals()[name])
+    return True
+
+
+def uninstall() -> None:
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
+
+    for name, fn in _originals.items():
+        setattr(PG, name, fn)
+    _originals.clear()

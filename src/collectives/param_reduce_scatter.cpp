@@ -1,0 +1,154 @@
+// TIDE-RS on one host: a two-phase pipeline over windows of the flat padded-shard space
+// (the parameters' padded shards back to back, as FSDP2's reduce output). Per window:
+//   phase 1: this rank copies its gradient slices for every destination d (the planner's
+//            placement of d's shard, in grad dtype: no widening) into piece d of its slot,
+//            and posts ready;
+//   phase 2: it reduces its own piece from every rank's slot, in rank order 0..n-1 with the
+//            reduce engine (fp32 accumulation for bf16/f16, the same kernel as
+//            reduce_scatter, hence the same bits), straight into its sharded gradient.
+// A slot is slot_bytes (the communicator's), one piece of slot_bytes / world_size per
+// destination, so staging does not grow with the world size. Its own contribution is read
+// in place when its slice is contiguous. Slot-Reuse places slots in vacated all-gather
+// storage (the same place on every rank); the rest use the communicator's staging. Slot
+// reuse is safe by the done-flag protocol of Ctx::begin_step for both kinds of slot.
+#include <cstring>
+#include <vector>
+
+#include "algorithms.hpp"
+
+namespace tide::algo {
+namespace {
+
+// Whether the patterns cover one contiguous range of elements, in order.
+bool contiguous(const std::vector<plan::Strided>& pats) {
+  int64_t next = -1;
+  for (const plan::Strided& s : pats) {
+    if (s.count > 1 && s.run != s.stride) return false;
+    if (next >= 0 && s.offset != next) return false;
+    next = s.offset + s.numel();
+  }
+  return true;
+}
+
+}  // namespace
+
+StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
+  Transport& t = c.t;
+  const int me = c.rank(), ws = c.ws();
+  const plan::GroupLayout& layout = *a.layout;
+  const size_t np = layout.params.size();
+  const size_t ges = dtype_size(a.grad_dtype), oes = dtype_size(a.out_dtype);
+
+  std::vector<int64_t> base(np);
+  int64_t total = 0;
+  for (size_t p = 0; p < np; ++p) {
+    base[p] = total;
+    total += layout.params[p].padded_shard_numel;
+  }
+  // Padding of my shards: zero (what FSDP2's reduce of zero-padded inputs gives).
+  for (size_t p = 0; p < np; ++p) {
+    const plan::ParamLayout& pl = layout.params[p];
+    const int64_t n = pl.shards[me].numel;
+    if (pl.padded_shard_numel > n)
+      std::memset(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[p] + n) * oes, 0,
+                  static_cast<size_t>(pl.padded_shard_numel - n) * oes);
+  }
+
+  StagingReport report;
+  report.slot_bytes = t.slot_bytes();
+  const size_t piece = c.piece_bytes();
+  const int64_t window = static_cast<int64_t>(piece / ges);
+  const int64_t steps = total == 0 ? 0 : (total + window - 1) / window;
+  const int n_slots = t.num_slots();
+  report.num_slots = static_cast<int>(std::min<int64_t>(n_slots, steps));
+
+  // Slot homes, by slot index (step % n_slots): every rank computes the same ones.
+  std::vector<int64_t> reuse_off(n_slots, -1);
+  if (a.reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
+    std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
+    for (auto& r : regions) r.base_id = 0;  // all are ranges of `reuse`
+    const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : 64;
+    plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
+                                                       report.num_slots, align);
+    for (int i = 0; i < report.num_slots; ++i) {
+      const int idx = static_cast<int>((c.step + 1 + static_cast<uint32_t>(i)) % static_cast<uint32_t>(n_slots));
+      if (homes.slots[i].reused) {
+        reuse_off[idx] = homes.slots[i].offset;
+        ++report.reused_slots;
+      }
+    }
+  }
+  report.fallback_bytes = static_cast<size_t>(report.num_slots - report.reused_slots) * report.slot_bytes;
+  auto slot_of = [&](int rank, int idx) -> std::byte* {
+    return reuse_off[idx] >= 0 ? a.reuse->peer(rank) + reuse_off[idx] : t.peer(rank, idx);
+  };
+
+  std::vector<StridedCopy> ops;
+  std::vector<const void*> srcs(ws);
+  struct Mine {  // one reduction of phase 2
+    size_t p;
+    int64_t lo, hi, pos;
+    const void* in_place;  // my own contribution, or null: staged in my piece
+  };
+  std::vector<Mine> mine;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t b = s * window, e = std::min(total, b + window);
+    const int idx = c.begin_step();
+    std::byte* my_slot = slot_of(me, idx);
+    // Phase 1.
+    ops.clear();
+    mine.clear();
+    for (int d = 0; d < ws; ++d) {
+      for (size_t p = 0; p < np; ++p) {
+        const plan::Shard& sh = layout.params[p].shards[d];
+        const int64_t lo = std::max<int64_t>(b - base[p], 0), hi = std::min<int64_t>(e - base[p], sh.numel);
+        if (lo >= hi) continue;
+        std::vector<plan::Strided> pats = plan::slice(sh.placement, lo, hi);
+        const int64_t pos = base[p] + lo - b;  // elements into the piece
+        const std::byte* grad = bytes_of(a.grads[p]);
+        if (d == me) {
+          const bool direct = contiguous(pats);
+          mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
+          if (direct) continue;
+        }
+        std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
+        for (const plan::Strided& pat : pats) {
+          StridedCopy op;
+          op.dst = dst;
+          op.src = grad + static_cast<size_t>(pat.offset) * ges;
+          op.run = static_cast<size_t>(pat.run);
+          op.count = static_cast<size_t>(pat.count);
+          op.dst_stride = op.run;
+          op.src_stride = static_cast<size_t>(pat.stride);
+          if (op.count == 1 || pat.run == pat.stride) {
+            op.run *= op.count;
+            op.count = 1;
+          }
+          ops.push_back(op);
+          dst += static_cast<size_t>(pat.numel()) * ges;
+        }
+      }
+    }
+    t.convert(ops, a.grad_dtype, a.grad_dtype);
+    t.post(Flag::ready(), c.step);
+    // Phase 2.
+    for (int r = 0; r < ws; ++r)
+      if (r != me) t.wait(r, Flag::ready(), c.step);
+    for (const Mine& m : mine) {
+      const size_t at = static_cast<size_t>(me) * piece + static_cast<size_t>(m.pos) * ges;
+      for (int r = 0; r < ws; ++r)
+        srcs[r] = r == me && m.in_place ? m.in_place : slot_of(r, idx) + at;
+      t.reduce(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[m.p] + m.lo) * oes, a.out_dtype, srcs,
+               a.grad_dtype, static_cast<size_t>(m.hi - m.lo), a.op);
+    }
+    c.end_step();
+  }
+  // Slots in reused storage belong to the caller again once we return: wait until no peer
+  // reads mine any more.
+  if (report.reused_slots > 0)
+    for (int r = 0; r < ws; ++r)
+      if (r != me) t.wait(r, Flag::done(), c.step);
+  return report;
+}
+
+}  // namespace tide::algo

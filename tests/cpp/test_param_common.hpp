@@ -1,0 +1,78 @@
+// Shared pieces of the param_* tests: random FSDP2 parameter groups and an independent
+// reference of FSDP2's sharding (torch.chunk along the shard dim), not the planner's.
+#pragma once
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "test_collectives_ref.hpp"
+#include "test_host_harness.hpp"
+#include "tide/plan.hpp"
+
+namespace tide::test {
+
+// Odd sizes, 1-D, fewer rows than ranks, Shard(1) (even, as FSDP2 requires), 3-D.
+inline std::vector<plan::Param> random_params(uint64_t seed, int ws, int64_t elem_size, bool big = false) {
+  std::mt19937_64 g(seed);
+  auto u = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(g); };
+  std::vector<plan::Param> ps;
+  const int n = static_cast<int>(u(3, 7));
+  for (int i = 0; i < n; ++i) {
+    plan::Param p;
+    p.elem_size = elem_size;
+    switch (u(0, 4)) {
+      case 0: p.shape = {u(1, 3000)}; break;                         // 1-D, odd
+      case 1: p.shape = {u(1, std::max(1, ws - 1)), u(1, 40)}; break;  // fewer rows than ranks
+      case 2: p.shape = {ws * u(1, 9), u(1, 33)}; p.shard_dim = 1; p.shape[1] = ws * u(1, 20); break;  // Shard(1)
+      case 3: p.shape = {u(1, 50), u(1, 30), u(1, 5)}; break;
+      default: p.shape = {u(1, 200), u(1, 70)}; break;
+    }
+    ps.push_back(p);
+  }
+  if (big) ps.push_back({{301, 1000}, elem_size, 0});  // big enough to split over the pool
+  return ps;
+}
+
+inline int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// FSDP2's shard of rank r (torch.chunk(ceil(size / ws)) along dim d, made contiguous):
+// the flat indices into the full tensor, in shard order.
+inline std::vector<int64_t> shard_indices(const plan::Param& p, int ws, int r) {
+  const int64_t d = p.shard_dim;
+  int64_t outer = 1, inner = 1;
+  for (int64_t i = 0; i < d; ++i) outer *= p.shape[i];
+  for (size_t i = d + 1; i < p.shape.size(); ++i) inner *= p.shape[i];
+  const int64_t size = p.shape[d], chunk = (size + ws - 1) / ws;
+  const int64_t begin = std::min(size, r * chunk), end = std::min(size, begin + chunk);
+  std::vector<int64_t> idx;
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t k = 0; k < inner; ++k) idx.push_back((o * size + j) * inner + k);
+  return idx;
+}
+
+// Random f32 with full mantissas (so bf16 rounding matters), never zero.
+inline std::vector<float> random_floats(size_t n, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> v(0.01f, 3.0f);
+  std::vector<float> out(n);
+  for (auto& x : out) x = (g() & 1 ? -1.0f : 1.0f) * v(g);
+  return out;
+}
+
+// Independent round-to-nearest-even f32 -> bf16 / f16 (finite inputs).
+inline uint16_t ref_bf16(float f) {
+  uint32_t u = std::bit_cast<uint32_t>(f);
+  uint32_t lsb = (u >> 16) & 1;
+  return static_cast<uint16_t>((u + 0x7fff + lsb) >> 16);
+}
+inline uint16_t ref_f16(float f) { return std::bit_cast<uint16_t>(static_cast<_Float16>(f)); }
+
+}  // namespace tide::test
