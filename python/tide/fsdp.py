@@ -84,12 +84,21 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
 # ---- per param-group state: the planner's layout and the symmetric shard home --------------
 @dataclass
 class _GroupState:
+    params: list  # the group's FSDPParams, in order
     layout: object  # tide._C.plan.GroupLayout
     shards: object  # tide._C.SymmetricMemory
     offsets: list  # bytes, per parameter
     homes: list  # tensors over this rank's part of `shards`, one per parameter
     dtype: torch.dtype
     world_size: int
+    # The unsharded storages (FSDPParam.all_gather_outputs) in symmetric memory too, so
+    # that once vacated they can hold reduce-scatter staging (Slot-Reuse); None when
+    # FSDP2 had already allocated them before the group's first tide all-gather.
+    storage: object = None
+    storage_regions: list = None  # (offset, bytes) per parameter, page-aligned
+
+
+_PAGE = 4096
 
 
 def _plan(fsdp_params, world_size):
@@ -137,12 +146,45 @@ def _group_state(fsdp_params, group, backend):
         home.copy_(fp._sharded_param_data.view(-1))
         _rebind(fp, home)
         homes.append(home)
-    state = _GroupState(_plan(fsdp_params, ws), shards, offsets, homes, dtype, ws)
+    state = _GroupState(list(fsdp_params), _plan(fsdp_params, ws), shards, offsets, homes,
+                        dtype, ws)
+    if not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
+        _home_unsharded_storages(state, group, backend)
     for fp in fsdp_params:
         fp._tide_state = state
     _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory "
            f"({total} bytes per rank)")
     return state
+
+
+def _home_unsharded_storages(state, group, backend):
+    """Gives each parameter's unsharded storage a page-aligned home in symmetric memory.
+    FSDP2 then allocates nothing (the storage already has its size) and frees it through
+    _free_unsharded_param below, which returns the pages instead of resizing to 0."""
+    regions, total = [], 0
+    for fp, lp in zip(state.params, state.layout.params):
+        nbytes = lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
+        regions.append((total, nbytes))
+        total += (nbytes + _PAGE - 1) // _PAGE * _PAGE
+    state.storage = backend.allocate_symmetric(total)
+    state.storage_regions = regions
+    for fp, lp, (off, nbytes) in zip(state.params, state.layout.params, regions):
+        dtype = fp.param_dtype or fp.orig_dtype
+        fp.all_gather_outputs = [state.storage.tensor(group.rank(), off, lp.storage_numel, dtype)]
+        fp._tide_storage_region = (off, nbytes)
+        state.storage.release(off, nbytes)  # unsharded storage starts out freed, as in FSDP2
+
+
+def _free_unsharded_param(self):
+    """FSDPParam.free_unsharded_param for storages homed in symmetric memory."""
+    region = getattr(self, "_tide_storage_region", None)
+    if region is None or not self.all_gather_outputs:
+        return _originals["free_unsharded_param"](self)
+    from torch.distributed.fsdp._fully_shard._fsdp_param import free_storage
+
+    for tensor in self._unsharded_inner_tensors:
+        free_storage(tensor)
+    self._tide_state.storage.release(*region)
 
 
 # ---- TIDE-AG ----------------------------------------------------------------------------------
@@ -175,6 +217,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         numels.append([numel])
     work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
                                     storages)
+    _debug(f"all-gather: zero-copy, {len(fsdp_params)} params into their own storage")
     if not async_op:
         work.wait()
         work = None
@@ -232,12 +275,25 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
 
     ws = reduce_scatter_group.size()
     state = getattr(fsdp_params[0], "_tide_state", None)
-    layout = state.layout if state is not None and state.world_size == ws else _plan(fsdp_params, ws)
+    whole_group = (state is not None and state.world_size == ws
+                   and len(state.params) == len(fsdp_params)
+                   and all(a is b for a, b in zip(state.params, fsdp_params)))
+    # fsdp_params are the group's parameters that have gradients: often all of them.
+    layout = state.layout if whole_group else _plan(fsdp_params, ws)
     padded = [lp.padded_shard_numel for lp in layout.params]
     out_offsets = [sum(padded[:i]) for i in range(len(padded))]
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     grads = [g.contiguous() for g in unsharded_grads]
-    backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op).wait()
+    reuse, regions = _vacated_storage(state)
+    work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
+                                        reuse, regions)
+    work.wait()
+    for off, nbytes in regions:
+        reuse.release(off, nbytes)  # staging done: the vacated storage is free again
+    report = backend.last_staging_report()
+    _debug(f"reduce-scatter: zero-copy, {len(fsdp_params)} params, staging "
+           f"{report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
+           f"all-gather storage)")
     del grads
     unsharded_grads.clear()  # autograd's gradients can go now
 
@@ -261,6 +317,18 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     return (torch.empty(0, device=device), event, event, None, None, None)
 
 
+def _vacated_storage(state):
+    """Slot-Reuse: the group's unsharded storages once FSDP2 has resharded them (it does so
+    before reducing when reshard_after_backward is on)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if state is None or state.storage is None:
+        return None, []
+    if any(fp.sharded_state != ShardedState.SHARDED for fp in state.params):
+        return None, []
+    return state.storage, list(state.storage_regions)
+
+
 # ---- installing the seams -----------------------------------------------------------------------
 def install() -> bool:
     """Replaces FSDP2's seams; returns False (with one warning saying why) when it cannot."""
@@ -281,15 +349,23 @@ def install() -> bool:
             + (f"lacks FSDP2's {missing}" if missing else f"is older than {_MIN_TORCH}")
             + "; FSDP2 runs its stock path over the tide backend", stacklevel=2)
         return False
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
     for name in _SEAMS:
         _originals[name] = getattr(PG, name)
         setattr(PG, name, globals()[name])
+    _originals["free_unsharded_param"] = FSDPParam.free_unsharded_param
+    FSDPParam.free_unsharded_param = _free_unsharded_param
     return True
 
 
 def uninstall() -> None:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
-    for name, fn in _originals.items():
-        setattr(PG, name, fn)
+    for name in _SEAMS:
+        if name in _originals:
+            setattr(PG, name, _originals[name])
+    if "free_unsharded_param" in _originals:
+        FSDPParam.free_unsharded_param = _originals["free_unsharded_param"]
     _originals.clear()

@@ -665,8 +665,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
     const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads, at::Tensor out,
-    std::vector<int64_t> out_offsets, const c10d::ReduceOp& op) {
+    std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
+    std::shared_ptr<tide::SymmetricBuffer> reuse,
+    std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
   OpContext ctx{"param_reduce_scatter", getRank()};
+  std::vector<tide::plan::Region> regions;
+  for (auto [offset, bytes] : reuse_regions) regions.push_back({0, offset, bytes});
+  TORCH_CHECK(regions.empty() || reuse, "tide param_reduce_scatter: rank ", getRank(),
+              ": reuse regions given without their symmetric memory");
   const size_t n = layout.params.size();
   TORCH_CHECK(grads.size() == n && out_offsets.size() == n, "tide param_reduce_scatter: rank ",
               getRank(), ": ", n, " parameters but ", grads.size(), " gradients and ",
@@ -693,7 +699,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
   auto out_dtype = to_dtype(out.scalar_type(), ctx);
   auto red = to_reduce(op, ctx);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out},
-                 [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red]() {
+                 [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse,
+                  regions]() {
                    std::vector<const void*> ptrs;
                    for (auto& g : grads) ptrs.push_back(g.data_ptr());
                    tide::ParamReduceScatter args;
@@ -704,6 +711,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
                    args.out_offsets = out_offsets;
                    args.out_dtype = out_dtype;
                    args.op = red;
+                   args.reuse = reuse.get();
+                   args.reuse_regions = regions;
                    last_staging_ = comm_->param_reduce_scatter(args);
                  });
 }

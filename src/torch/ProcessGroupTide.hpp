@@ -99,10 +99,13 @@ class ProcessGroupTide : public c10d::Backend {
                                                   std::vector<at::Tensor> storages);
   // TIDE-RS: per-parameter unsharded gradients reduced into the flat sharded output `out`
   // (param p at out_offsets[p] elements), two-phase, fp32 accumulation in rank order.
+  // Slot-Reuse: staging may go into `reuse_regions` (offset, bytes) of `reuse`.
   c10::intrusive_ptr<c10d::Work> param_reduce_scatter(const tide::plan::GroupLayout& layout,
                                                       std::vector<at::Tensor> grads, at::Tensor out,
                                                       std::vector<int64_t> out_offsets,
-                                                      const c10d::ReduceOp& op);
+                                                      const c10d::ReduceOp& op,
+                                                      std::shared_ptr<tide::SymmetricBuffer> reuse,
+                                                      std::vector<std::pair<int64_t, int64_t>> reuse_regions);
   tide::StagingReport last_staging_report() const { return last_staging_; }
 
  private:

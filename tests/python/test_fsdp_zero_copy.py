@@ -193,16 +193,25 @@ def staging_worker(rank, ws, per_rank_rows):
     layout = tide._C.plan.plan_group(
         [tide._C.plan.Param(list(p.shape), 4, 0) for p in model.parameters()], ws)
     stock = tide._C.plan.stock_fsdp2_bytes(layout, reduce_elem_size=4, orig_elem_size=4)
-    return report.slot_bytes * report.num_slots, stock.rs_input
+    return (report.slot_bytes * report.num_slots, report.reused_slots, report.num_slots,
+            report.fallback_bytes, stock.rs_input)
 
 
 def test_reduce_scatter_staging_is_flat_in_world_size():
     """Fixed per-rank output (8 MiB of bf16 gradient per destination): TIDE's staging is the
-    communicator's fixed slots at every world size; stock's fp32 input grows with it."""
+    communicator's fixed slots at every world size; stock's fp32 input grows with it. With
+    Slot-Reuse all of it sits in the layer's vacated all-gather storage."""
     staged, stock = {}, {}
     for ws in (2, 3, 4):
-        staged[ws], stock[ws] = run_ranks(staging_worker, ws, 16384)[0]
+        staged[ws], reused, slots, fallback, stock[ws] = run_ranks(staging_worker, ws, 16384)[0]
+        assert reused == slots and fallback == 0, f"ws={ws}: {reused}/{slots} slots reused"
     assert len(set(staged.values())) == 1, f"staging bytes vary with world size: {staged}"
     for ws in staged:
         assert staged[ws] < stock[ws], f"ws={ws}: staging {staged[ws]} >= stock {stock[ws]}"
     assert stock[4] > stock[2], "stock FSDP2's reduce-scatter input grows with the world size"
+
+
+def test_slot_reuse_falls_back_when_storage_is_too_small():
+    # 2 rows per rank of 256 bf16: the vacated storage (KiB) cannot hold a 2 MiB slot.
+    _, reused, slots, fallback, _ = run_ranks(staging_worker, 2, 2)[0]
+    assert reused == 0 and fallback > 0 and slots > 0
