@@ -9,6 +9,7 @@
 #include "tide/cuda/kernels.hpp"
 
 namespace tide::cuda {
+void detail_count_launch();  // kernels/cast.cu
 namespace {
 
 constexpr int kThreads = 256;
@@ -73,6 +74,7 @@ cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DTy
   bool vectorized = aligned16(dst);
   for (int s = 0; s < srcs.count; ++s) vectorized = vectorized && aligned16(srcs.ptr[s]);
   const int ctas = num_ctas > 0 ? num_ctas : 8;
+  detail_count_launch();
   switch (src_dtype) {
     case DType::bf16:
       accumulate_kernel<__nv_bfloat16><<<ctas, kThreads, 0, stream>>>(dst, srcs, count, scale,

@@ -351,6 +351,17 @@ def install() -> bool:
         return False
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
 
+    # A torch whose seams take other arguments than the ones written against (2.11) keeps
+    # its stock path: replacing a function we do not understand would be worse.
+    import inspect
+
+    changed = [name for name in _SEAMS
+               if list(inspect.signature(getattr(PG, name)).parameters)
+               != list(inspect.signature(globals()[name]).parameters)]
+    if changed or not hasattr(FSDPParam, "free_unsharded_param"):
+        warnings.warn(f"tide: torch {torch.__version__} changed FSDP2's {changed or 'FSDPParam'}; "
+                      "FSDP2 runs its stock path over the tide backend", stacklevel=2)
+        return False
     for name in _SEAMS:
         _originals[name] = getattr(PG, name)
         setattr(PG, name, globals()[name])

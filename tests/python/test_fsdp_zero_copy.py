@@ -49,7 +49,8 @@ def batch(step, rank):
 
 
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
-                 reshard=True, profile=False):
+                 reshard=True, profile=False, hsdp=False, divide_factor=None,
+                 explicit_unshard=False):
     """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -62,7 +63,8 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         tide.fsdp.uninstall()
     torch.manual_seed(0)
     model = AwkwardModel()
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = (init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+            if hsdp else init_device_mesh("cpu", (ws,)))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if bf16 else MixedPrecisionPolicy())
 
@@ -73,6 +75,8 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
                     shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if divide_factor is not None:
+        model.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, names = [], set()
     for step in range(STEPS):
@@ -83,6 +87,8 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
             prof = torch.profiler.profile() if profile and step == STEPS - 1 else None
             if prof:
                 prof.__enter__()
+            if explicit_unshard:
+                model.unshard()  # FSDP2's explicit unshard, before forward asks for it
             loss = loss_of(model, batch(step * micro + m, rank))
             loss.backward()
             if prof:
@@ -162,6 +168,17 @@ def test_shard_dim1_accumulation_and_no_reshard(ws):
     zc = run_ranks(train_worker, ws, True, kwargs=opts)
     stock = run_ranks(train_worker, ws, False, kwargs=opts)
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"Shard(1)+accumulation ws={ws}")
+
+
+@pytest.mark.parametrize("opts", [
+    dict(reshard=2, divide_factor=8.0),            # post-forward mesh of 2: stock AG fallback
+    dict(hsdp=True, bf16=True),                    # 2 x 2 mesh: zero-copy AG, stock RS + AR
+    dict(explicit_unshard=True, divide_factor=3.0),
+], ids=["reshard-int+divide-factor", "hsdp-bf16", "explicit-unshard"])
+def test_more_fsdp2_features_match_stock(opts):
+    zc = run_ranks(train_worker, 4, True, kwargs=opts)
+    stock = run_ranks(train_worker, 4, False, kwargs=opts)
+    assert_params_equal(zc[0]["params"], stock[0]["params"], f"{opts}")
 
 
 def test_no_layout_copies_in_a_tide_step():

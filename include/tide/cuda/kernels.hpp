@@ -2,6 +2,7 @@
 // Host code includes this without needing nvcc: only the CUDA runtime types appear.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 
 #include <cuda_runtime_api.h>
 
@@ -25,5 +26,19 @@ struct AccumulateSources {
 cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DType src_dtype,
                                   size_t count, float scale, bool accumulate, int num_ctas,
                                   cudaStream_t stream);
+
+// dst[i] = convert(src[i]) between f32 / bf16 / f16 (to bf16/f16: round to nearest even,
+// like the host reduce kernels). TIDE-AG's mixed-precision step: copy engines cannot convert,
+// so a rank casts its own shard once before peers copy it.
+cudaError_t launch_cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
+                        cudaStream_t stream);
+
+// dst[i] = scale * dst[i] (fp32, __fmul_rn): the final scaling when more than
+// kMaxAccumulateSources ranks were summed with scale 1.
+cudaError_t launch_scale_f32(float* dst, size_t count, float scale, cudaStream_t stream);
+
+// Kernel launches made through the launch_* functions of this header by this process
+// (for tests: TIDE-AG with equal dtypes must launch none).
+uint64_t kernel_launch_count();
 
 }  // namespace tide::cuda

@@ -1,0 +1,150 @@
+// The CUDA node-local layer: one CudaGroup per process group and process (one rank per
+// process; several processes may share one GPU). It owns two non-blocking streams (copy:
+// copy-engine transfers, compute: short-lived CTAs), a symmetric control block of flags, and
+// the TIDE-RS staging slots in symmetric device memory, and runs TIDE-AG / TIDE-RS directly
+// (src/transport/cuda/param_*.cpp) rather than through tide::Transport, whose blocking
+// host-memory engines do not fit stream-ordered device memory.
+//
+// Synchronisation between ranks: monotonic 32-bit counters in symmetric device memory.
+//   device mode (default): post = cuStreamWriteValue32 (with its memory barrier), wait =
+//     cuStreamWaitValue32 GEQ (cyclic compare, "at least" modulo 2^32): no host sync on the
+//     hot path; the host only waits for the final event, with a deadline.
+//   host mode (TIDE_CUDA_SYNC=host, or automatically when stream memory operations fail):
+//     post = synchronize the stream then write the counter; wait = poll the peer's counter
+//     from the host with the deadline. Slower, but every wait has a timeout.
+// Both modes use the same counters, so ranks in different modes interoperate.
+//
+// Failures: an expired deadline throws tide::TimeoutError naming the collective, the rank and
+// every rank's counters; the group is then unusable (every later call throws) and its
+// device memory is leaked at destruction (a peer's stream may still wait on it).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "tide/comm.hpp"
+#include "tide/cuda/probe.hpp"
+#include "tide/cuda/symmetric.hpp"
+#include "tide/store.hpp"
+
+namespace tide::cuda {
+
+enum class SyncMode { device, host };
+
+struct CudaGroupOptions {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  size_t staging_bytes = 0;  // TIDE-RS staging per rank; 0: TIDE_CUDA_STAGING_BYTES or 32 MiB
+  int num_slots = 2;         // pipeline depth (chunks in flight)
+  int rs_ctas = 0;           // accumulate CTAs; 0: TIDE_RS_CTAS or 8
+  int sync = -1;             // -1: TIDE_CUDA_SYNC (device|host, default device); else SyncMode
+  bool blocking = true;      // collectives return after the host saw them complete
+};
+
+class CudaGroup {
+ public:
+  enum FlagId : uint32_t { kAgReady = 0, kAgDone, kRsReady, kRsDone, kNumFlags };
+  static constexpr size_t kFlagStride = 64;  // bytes between counters (own cache line)
+
+  // Collective. Sets `device` current in the calling thread.
+  CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int world_size, int device,
+            CudaGroupOptions options = {});
+  ~CudaGroup();
+  CudaGroup(const CudaGroup&) = delete;
+  CudaGroup& operator=(const CudaGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return ws_; }
+  int device() const { return device_; }
+  SyncMode sync_mode() const { return mode_; }
+  const CudaGroupOptions& options() const { return opt_; }
+  const Capabilities& caps() const { return caps_; }
+  const PathChoice& allgather_path() const { return ag_path_; }
+
+  // Collective: every rank passes the size of its own part.
+  std::shared_ptr<CudaSymmetricBuffer> allocate_symmetric(size_t bytes);
+  void barrier();  // over the store
+
+  // ---- used by the collectives ------------------------------------------------------
+  cudaStream_t copy_stream() const { return copy_; }
+  cudaStream_t compute_stream() const { return compute_; }
+  int rs_ctas() const { return rs_ctas_; }
+  int num_slots() const { return num_slots_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  size_t piece_bytes() const { return piece_bytes_; }  // slot_bytes / world_size, 256-aligned
+  std::byte* slot(int rank, int index);
+  // Symmetric scratch of at least `bytes` on every rank (collective; same size everywhere).
+  CudaSymmetricBuffer& scratch(size_t bytes);
+
+  uint32_t next(FlagId f) { return ++epoch_[f]; }
+  uint32_t current(FlagId f) const { return epoch_[f]; }
+  void post(cudaStream_t stream, FlagId f, uint32_t value);
+  void wait(cudaStream_t stream, int peer, FlagId f, uint32_t value);
+
+  // Starts a collective: checks the group is usable, makes `work` streams wait for what the
+  // caller enqueued on `caller` before the call.
+  void begin(const char* collective, cudaStream_t caller, std::initializer_list<cudaStream_t> work);
+  // Ends it: `caller` waits for the work streams; with options().blocking the host waits too
+  // (deadline: options().timeout).
+  void end(cudaStream_t caller, std::initializer_list<cudaStream_t> work);
+  void fail(const std::string& why);  // marks the group unusable and throws TimeoutError
+
+ private:
+  void host_wait_stream(cudaStream_t s, const char* what);
+  uint32_t read_flag(int rank, FlagId f);
+  std::string flags_report();
+  std::chrono::steady_clock::time_point deadline() const;
+
+  std::shared_ptr<Store> store_;
+  std::string ns_;
+  int rank_, ws_, device_;
+  CudaGroupOptions opt_;
+  SyncMode mode_ = SyncMode::device;
+  Capabilities caps_;
+  PathChoice ag_path_;
+  cudaStream_t copy_ = nullptr, compute_ = nullptr, side_ = nullptr;
+  cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr};
+  std::shared_ptr<CudaSymmetricBuffer> control_, staging_, scratch_;
+  int num_slots_ = 2, rs_ctas_ = 8;
+  size_t slot_bytes_ = 0, piece_bytes_ = 0;
+  uint32_t epoch_[kNumFlags] = {};
+  uint64_t alloc_seq_ = 0, barrier_seq_ = 0;
+  const char* collective_ = "";
+  std::chrono::steady_clock::time_point started_{};
+  bool broken_ = false;
+  std::string broken_why_;
+};
+
+// Extra knobs of TIDE-AG on CUDA.
+struct CudaAllGatherOptions {
+  // When set and the group's path is multicast: storages lie in mc->unicast() and each rank
+  // writes its own shard once to the multicast address (structural; untested on one GPU).
+  MulticastBuffer* multicast = nullptr;
+};
+
+// TIDE-AG with copy engines: every rank's shard (args.shards must be a CudaSymmetricBuffer)
+// is copied by cudaMemcpy(Batch/2D)Async from its owner's memory to the planner's
+// placement in this rank's storages (device memory). Equal dtypes: no kernel at all.
+// Different dtypes (f32/bf16/f16 pairs): copy engines cannot convert, so one small cast
+// kernel first writes this rank's shard in the storage dtype into symmetric scratch; peers
+// then copy those bytes. Stream-ordered after `stream`'s prior work; `stream` waits for the
+// result.
+void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t stream = nullptr,
+                      const CudaAllGatherOptions& options = {});
+
+// TIDE-RS: grads (device memory, private to each rank: no symmetric allocation needed)
+// bf16/f16/f32 -> fp32 shards, ReduceOp sum / avg / premul_sum. Per pipeline chunk:
+//   phase 1 (copy stream, copy engines): this rank copies its gradient slices for every
+//     destination rank into piece d of its own symmetric staging slot (its own slice is
+//     read in place when contiguous), then posts rs_ready;
+//   phase 2 (compute stream): after every rank's rs_ready, launch_accumulate_f32 (few CTAs,
+//     TIDE_RS_CTAS) reads piece `rank` of every rank's slot over IPC, in rank order 0..n-1,
+//     straight into the fp32 shard, then posts rs_done, which frees the slot for the chunk
+//     num_slots later. Other dtype/op combinations throw tide::Error.
+StagingReport param_reduce_scatter(CudaGroup& group, const ParamReduceScatter& args,
+                                   cudaStream_t stream = nullptr);
+
+}  // namespace tide::cuda

@@ -1,0 +1,90 @@
+// Symmetric device memory across the processes of one node.
+//
+// CudaSymmetricBuffer: every rank cudaMallocs its own part, exports it with
+// cudaIpcGetMemHandle, publishes the handle through the Store, and opens every peer's handle
+// (cudaIpcOpenMemHandle; a process cannot open its own handle, so its own part is its own
+// pointer). Several ranks on the SAME device in different processes work the same way:
+// IPC handles are per process, not per device. A store barrier ends the allocation.
+// Teardown closes the peers' mappings, then waits (store barrier, bounded) until every
+// rank has closed its mappings of this rank's part, then frees it; if a peer never
+// arrives the part is leaked rather than freed under a peer's feet.
+//
+// MulticastBuffer (NVSwitch multicast, cuMulticast*): one multicast object bound to a
+// cuMemCreate allocation on every rank's device, mapped as a unicast (this rank's
+// physical memory) and a multicast address (a store there lands on every rank). Only when
+// probe() reports multicast on every device and every rank has its own device; it cannot be
+// exercised on one GPU (the test machine) and is compiled but untested.
+#pragma once
+#include <chrono>
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda.h>
+
+#include "tide/comm.hpp"
+#include "tide/store.hpp"
+
+namespace tide::cuda {
+
+// Blocks until `world_size` ranks reached `key` (Store::add), or throws TimeoutError.
+void store_barrier(Store& store, const std::string& key, int world_size,
+                   std::chrono::milliseconds timeout, int rank);
+
+class CudaSymmetricBuffer final : public SymmetricBuffer {
+ public:
+  // Collective over the `world_size` ranks using `key` (unique per allocation, the same on
+  // every rank). `bytes` is this rank's part (0 allowed). The part is zero-filled.
+  static std::shared_ptr<CudaSymmetricBuffer> allocate(std::shared_ptr<Store> store, const std::string& key,
+                                                       int rank, int world_size, size_t bytes,
+                                                       std::chrono::milliseconds timeout);
+  ~CudaSymmetricBuffer() override;
+  CudaSymmetricBuffer(const CudaSymmetricBuffer&) = delete;
+  CudaSymmetricBuffer& operator=(const CudaSymmetricBuffer&) = delete;
+
+  std::byte* local() override { return ptrs_[rank_]; }
+  std::byte* peer(int rank) override;
+  size_t bytes(int rank) const override;
+  // cudaMalloc'd memory cannot be decommitted piecewise: the range is zero-filled
+  // (synchronously) and stays resident. (A cuMemCreate-based buffer could unmap and remap.)
+  void release(size_t offset, size_t bytes) override;
+  // Skip the teardown barrier and leak (after an abort: a peer may never arrive).
+  void leak_on_destroy() { leak_ = true; }
+
+ private:
+  CudaSymmetricBuffer() = default;
+  std::shared_ptr<Store> store_;
+  std::string key_;
+  int rank_ = 0, world_size_ = 1;
+  std::chrono::milliseconds timeout_{0};
+  std::vector<std::byte*> ptrs_;
+  std::vector<size_t> sizes_;
+  void* own_ = nullptr;
+  bool leak_ = false;
+};
+
+class MulticastBuffer {
+ public:
+  // Collective. Every rank must be on its own device with caps multicast + vmm + POSIX fd.
+  // Rank 0 creates the multicast object and exports it as a POSIX fd; peers take it with
+  // pidfd_getfd (Linux >= 5.6; needs ptrace permission over rank 0's process).
+  static std::unique_ptr<MulticastBuffer> create(std::shared_ptr<Store> store, const std::string& key,
+                                                 int rank, int world_size, int device, size_t bytes,
+                                                 std::chrono::milliseconds timeout);
+  ~MulticastBuffer();
+  void* unicast() const { return reinterpret_cast<void*>(uc_va_); }
+  void* multicast() const { return reinterpret_cast<void*>(mc_va_); }
+  size_t bytes() const { return size_; }
+
+ private:
+  MulticastBuffer() = default;
+  size_t size_ = 0;
+  int device_ = 0;
+  CUmemGenericAllocationHandle mc_ = 0, mem_ = 0;
+  CUdeviceptr uc_va_ = 0, mc_va_ = 0;
+  bool mc_created_ = false, mem_created_ = false, bound_ = false;
+  int mc_fd_ = -1;
+};
+
+}  // namespace tide::cuda

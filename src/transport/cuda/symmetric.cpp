@@ -1,0 +1,235 @@
+// Symmetric device memory across the processes of one node (include/tide/cuda/symmetric.hpp).
+#include "tide/cuda/symmetric.hpp"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "../../core/env.hpp"
+#include "tide/cuda/check.hpp"
+
+namespace tide::cuda {
+namespace {
+
+std::vector<uint8_t> as_bytes(const void* p, size_t n) {
+  const auto* b = static_cast<const uint8_t*>(p);
+  return std::vector<uint8_t>(b, b + n);
+}
+
+// What a rank publishes for its part.
+struct PartRecord {
+  cudaIpcMemHandle_t handle;
+  uint64_t bytes;
+  int32_t pid;
+  int32_t device;
+};
+
+}  // namespace
+
+void store_barrier(Store& store, const std::string& key, int world_size, std::chrono::milliseconds timeout,
+                   int rank) {
+  store.add(key, 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto nap = std::chrono::microseconds(50);
+  for (;;) {
+    const int64_t n = store.add(key, 0);
+    if (n >= world_size) return;
+    if (std::chrono::steady_clock::now() > deadline)
+      throw TimeoutError(detail::concat("tide: cuda: rank ", rank, ": barrier '", key, "' timed out after ",
+                                        timeout.count(), " ms with ", n, " of ", world_size, " ranks"));
+    std::this_thread::sleep_for(nap);
+    if (nap < std::chrono::milliseconds(2)) nap *= 2;
+  }
+}
+
+std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_ptr<Store> store,
+                                                                   const std::string& key, int rank,
+                                                                   int world_size, size_t bytes,
+                                                                   std::chrono::milliseconds timeout) {
+  TIDE_CHECK(store && world_size >= 1 && rank >= 0 && rank < world_size, "tide: cuda: rank ", rank,
+             ": bad symmetric allocation arguments (world size ", world_size, ")");
+  std::shared_ptr<CudaSymmetricBuffer> b(new CudaSymmetricBuffer());
+  b->store_ = store;
+  b->key_ = key;
+  b->rank_ = rank;
+  b->world_size_ = world_size;
+  b->timeout_ = timeout;
+  b->ptrs_.assign(world_size, nullptr);
+  b->sizes_.assign(world_size, 0);
+  int dev = 0;
+  TIDE_CUDA_CHECK(cudaGetDevice(&dev));
+  // Always allocate something (a zero-byte part still needs a handle to exchange).
+  const size_t alloc = bytes ? bytes : 256;
+  void* p = nullptr;
+  TIDE_CUDA_CHECK(cudaMalloc(&p, alloc));
+  b->own_ = p;
+  b->ptrs_[rank] = static_cast<std::byte*>(p);
+  b->sizes_[rank] = bytes;
+  TIDE_CUDA_CHECK(cudaMemset(p, 0, alloc));  // synchronous w.r.t. the host: zero before peers look
+  PartRecord mine{};
+  TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, p));
+  mine.bytes = bytes;
+  mine.pid = static_cast<int32_t>(::getpid());
+  mine.device = dev;
+  store->set(key + "/part/" + std::to_string(rank), as_bytes(&mine, sizeof mine));
+  for (int r = 0; r < world_size; ++r) {
+    if (r == rank) continue;
+    std::vector<uint8_t> v = store->get(key + "/part/" + std::to_string(r), timeout);
+    TIDE_CHECK(v.size() == sizeof(PartRecord), "tide: cuda: rank ", rank, ": bad symmetric record from rank ", r,
+               " under '", key, "' (", v.size(), " bytes)");
+    PartRecord rec;
+    std::memcpy(&rec, v.data(), sizeof rec);
+    TIDE_CHECK(rec.pid != mine.pid, "tide: cuda: rank ", rank, " and rank ", r,
+               " are the same process; CUDA IPC needs one rank per process");
+    void* q = nullptr;
+    // Same device, other process: fine. Other device: LazyEnablePeerAccess maps it over
+    // NVLink / PCIe (needs peer access, see probe()).
+    TIDE_CUDA_CHECK(cudaIpcOpenMemHandle(&q, rec.handle, cudaIpcMemLazyEnablePeerAccess));
+    b->ptrs_[r] = static_cast<std::byte*>(q);
+    b->sizes_[r] = rec.bytes;
+  }
+  store_barrier(*store, key + "/opened", world_size, timeout, rank);
+  env::log(detail::concat("cuda: rank ", rank, ": symmetric '", key, "' ", bytes, " bytes on device ", dev,
+                          " mapped by ", world_size, " ranks"));
+  return b;
+}
+
+CudaSymmetricBuffer::~CudaSymmetricBuffer() {
+  // Never throws. Close what we opened, then free our part once every peer closed theirs.
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_ || !ptrs_[r]) continue;
+    if (cudaIpcCloseMemHandle(ptrs_[r]) != cudaSuccess) (void)cudaGetLastError();
+  }
+  if (!own_) return;
+  if (leak_) return;
+  bool all_closed = world_size_ == 1;
+  if (!all_closed) {
+    try {
+      store_barrier(*store_, key_ + "/closed", world_size_, std::min(timeout_, std::chrono::milliseconds(60000)),
+                    rank_);
+      all_closed = true;
+    } catch (const std::exception& e) {
+      env::log(detail::concat("cuda: rank ", rank_, ": leaking symmetric '", key_, "': ", e.what()));
+    }
+  }
+  if (all_closed && cudaFree(own_) != cudaSuccess) (void)cudaGetLastError();
+}
+
+std::byte* CudaSymmetricBuffer::peer(int rank) {
+  TIDE_CHECK(rank >= 0 && rank < world_size_, "tide: cuda: rank ", rank_, ": symmetric peer ", rank,
+             " out of range (world size ", world_size_, ")");
+  return ptrs_[rank];
+}
+
+size_t CudaSymmetricBuffer::bytes(int rank) const {
+  TIDE_CHECK(rank >= 0 && rank < world_size_, "tide: cuda: rank ", rank_, ": symmetric peer ", rank,
+             " out of range (world size ", world_size_, ")");
+  return sizes_[rank];
+}
+
+void CudaSymmetricBuffer::release(size_t offset, size_t n) {
+  const size_t size = sizes_[rank_];
+  TIDE_CHECK(offset <= size && n <= size - offset, "tide: cuda: SymmetricBuffer::release: rank ", rank_,
+             ": range [", offset, ", ", offset + n, ") outside the ", size, "-byte part");
+  if (n) TIDE_CUDA_CHECK(cudaMemset(ptrs_[rank_] + offset, 0, n));
+}
+
+// ---- multicast (structural: needs NVSwitch, one device per rank) ------------------------
+
+namespace {
+int take_fd(int pid, int fd, int rank) {
+#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
+  const int pfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  TIDE_CHECK(pfd >= 0, "tide: cuda: rank ", rank, ": pidfd_open(", pid, ") failed: ", std::strerror(errno));
+  const int got = static_cast<int>(::syscall(SYS_pidfd_getfd, pfd, fd, 0));
+  const int err = errno;
+  ::close(pfd);
+  TIDE_CHECK(got >= 0, "tide: cuda: rank ", rank, ": pidfd_getfd(", pid, ", ", fd, ") failed: ", std::strerror(err),
+             " (needs ptrace permission over the peer)");
+  return got;
+#else
+  throw Error(detail::concat("tide: cuda: rank ", rank, ": pidfd_getfd unavailable; cannot share a multicast handle"));
+#endif
+}
+}  // namespace
+
+std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> store, const std::string& key,
+                                                         int rank, int world_size, int device, size_t bytes,
+                                                         std::chrono::milliseconds timeout) {
+  std::unique_ptr<MulticastBuffer> m(new MulticastBuffer());
+  m->device_ = device;
+  CUdevice dev = 0;
+  TIDE_CU_CHECK(cuDeviceGet(&dev, device));
+  CUmulticastObjectProp mp{};
+  mp.numDevices = static_cast<unsigned int>(world_size);
+  mp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  mp.size = bytes;
+  TIDE_CU_CHECK(cuMulticastGetGranularity(&gran, &mp, CU_MULTICAST_GRANULARITY_RECOMMENDED));
+  const size_t size = (bytes + gran - 1) / gran * gran;
+  mp.size = size;
+  m->size_ = size;
+  if (rank == 0) {
+    TIDE_CU_CHECK(cuMulticastCreate(&m->mc_, &mp));
+    m->mc_created_ = true;
+    int fd = -1;
+    TIDE_CU_CHECK(cuMemExportToShareableHandle(&fd, m->mc_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    m->mc_fd_ = fd;
+    int32_t rec[2] = {static_cast<int32_t>(::getpid()), fd};
+    store->set(key + "/mc", as_bytes(rec, sizeof rec));
+  } else {
+    std::vector<uint8_t> v = store->get(key + "/mc", timeout);
+    TIDE_CHECK(v.size() == 8, "tide: cuda: rank ", rank, ": bad multicast record");
+    int32_t rec[2];
+    std::memcpy(rec, v.data(), 8);
+    m->mc_fd_ = take_fd(rec[0], rec[1], rank);
+    TIDE_CU_CHECK(cuMemImportFromShareableHandle(&m->mc_, reinterpret_cast<void*>(static_cast<intptr_t>(m->mc_fd_)),
+                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    m->mc_created_ = true;
+  }
+  TIDE_CU_CHECK(cuMulticastAddDevice(m->mc_, dev));
+  // Every device must be added before any memory is bound.
+  store_barrier(*store, key + "/added", world_size, timeout, rank);
+  CUmemAllocationProp ap{};
+  ap.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  ap.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  ap.location.id = device;
+  ap.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  TIDE_CU_CHECK(cuMemCreate(&m->mem_, size, &ap, 0));
+  m->mem_created_ = true;
+  TIDE_CU_CHECK(cuMulticastBindMem(m->mc_, 0, m->mem_, 0, size, 0));
+  m->bound_ = true;
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  TIDE_CU_CHECK(cuMemAddressReserve(&m->uc_va_, size, gran, 0, 0));
+  TIDE_CU_CHECK(cuMemMap(m->uc_va_, size, 0, m->mem_, 0));
+  TIDE_CU_CHECK(cuMemSetAccess(m->uc_va_, size, &access, 1));
+  TIDE_CU_CHECK(cuMemAddressReserve(&m->mc_va_, size, gran, 0, 0));
+  TIDE_CU_CHECK(cuMemMap(m->mc_va_, size, 0, m->mc_, 0));
+  TIDE_CU_CHECK(cuMemSetAccess(m->mc_va_, size, &access, 1));
+  store_barrier(*store, key + "/bound", world_size, timeout, rank);
+  return m;
+}
+
+MulticastBuffer::~MulticastBuffer() {
+  CUdevice dev = 0;
+  (void)cuDeviceGet(&dev, device_);
+  if (mc_va_) {
+    (void)cuMemUnmap(mc_va_, size_);
+    (void)cuMemAddressFree(mc_va_, size_);
+  }
+  if (uc_va_) {
+    (void)cuMemUnmap(uc_va_, size_);
+    (void)cuMemAddressFree(uc_va_, size_);
+  }
+  if (bound_) (void)cuMulticastUnbind(mc_, dev, 0, size_);
+  if (mem_created_) (void)cuMemRelease(mem_);
+  if (mc_created_) (void)cuMemRelease(mc_);
+  if (mc_fd_ >= 0) ::close(mc_fd_);
+}
+
+}  // namespace tide::cuda
