@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import torch  # noqa: F401  loads libtorch / libc10, which tide._C links against
+
 from . import _C, fsdp
 from ._backend import BACKEND_NAME, register as _register
 

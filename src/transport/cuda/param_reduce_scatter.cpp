@@ -1,0 +1,191 @@
+// TIDE-RS on CUDA: bf16/f16/f32 per-parameter gradients -> fp32 shards, in windows of the
+// flat padded-shard space (as the host version, src/collectives/param_reduce_scatter.cpp).
+//
+// Choice: gradients stay private (any device memory); each rank first copies its own slices
+// into its own symmetric staging slot (phase 1, copy engines on the copy stream: one
+// contiguous or 2D copy per slice, in grad dtype, no widening). Phase 2 (compute stream)
+// reads piece `rank` of every rank's slot straight over IPC with launch_accumulate_f32 —
+// sources in rank order 0..n-1, fp32 accumulation, a few CTAs (TIDE_RS_CTAS) — into the
+// fp32 shard. Its own slice is read in place when contiguous (no staging copy).
+//
+// Per window s (global step counter t = the group's rs epoch, the same on every rank):
+//   copy stream:    wait rs_done >= t - slots on every rank   (slot t % slots is free)
+//                   phase-1 copies; post rs_ready = t
+//   compute stream: wait rs_ready >= t on every rank; accumulate; post rs_done = t
+// The two streams overlap phase 1 of window s+1 with phase 2 of window s; staging is
+// slots x slot_bytes per rank whatever the world size.
+#include <algorithm>
+
+#include "copies.hpp"
+#include "tide/cuda/check.hpp"
+#include "tide/cuda/group.hpp"
+#include "tide/cuda/kernels.hpp"
+
+namespace tide::cuda {
+namespace {
+
+bool contiguous(const std::vector<plan::Strided>& pats) {
+  int64_t next = -1;
+  for (const plan::Strided& s : pats) {
+    if (s.count > 1 && s.run != s.stride) return false;
+    if (next >= 0 && s.offset != next) return false;
+    next = s.offset + s.numel();
+  }
+  return true;
+}
+
+}  // namespace
+
+StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cudaStream_t stream) {
+  const int me = g.rank(), ws = g.world_size();
+  TIDE_CHECK(a.layout, "tide: cuda: param_reduce_scatter on rank ", me, ": no layout");
+  const plan::GroupLayout& layout = *a.layout;
+  const size_t np = layout.params.size();
+  TIDE_CHECK(layout.world_size == ws, "tide: cuda: param_reduce_scatter on rank ", me, ": layout for world size ",
+             layout.world_size, ", group has ", ws);
+  TIDE_CHECK(a.grads.size() == np && a.out_offsets.size() == np, "tide: cuda: param_reduce_scatter on rank ", me, ": ",
+             np, " params but ", a.grads.size(), " grads and ", a.out_offsets.size(), " output offsets");
+  TIDE_CHECK(a.out_dtype == DType::f32 &&
+                 (a.grad_dtype == DType::bf16 || a.grad_dtype == DType::f16 || a.grad_dtype == DType::f32),
+             "tide: cuda: param_reduce_scatter on rank ", me, ": unsupported ", dtype_name(a.grad_dtype), " -> ",
+             dtype_name(a.out_dtype), " (the CUDA path reduces bf16/f16/f32 gradients into fp32 shards)");
+  float scale = 1.f;
+  switch (a.op.op) {
+    case ReduceOp::sum: break;
+    case ReduceOp::avg: scale = 1.f / static_cast<float>(ws); break;
+    case ReduceOp::premul_sum: scale = static_cast<float>(a.op.premul_factor); break;
+    default:
+      throw Error(::tide::detail::concat("tide: cuda: param_reduce_scatter on rank ", me, ": reduce op ",
+                                 reduce_op_name(a.op.op), " unsupported (sum, avg, premul_sum)"));
+  }
+  TIDE_CHECK(a.out || np == 0, "tide: cuda: param_reduce_scatter on rank ", me, ": no output");
+  auto* reuse = a.reuse ? dynamic_cast<CudaSymmetricBuffer*>(a.reuse) : nullptr;
+  TIDE_CHECK(!a.reuse || reuse, "tide: cuda: param_reduce_scatter on rank ", me,
+             ": Slot-Reuse memory must be CUDA symmetric memory");
+
+  const size_t ges = dtype_size(a.grad_dtype);
+  std::vector<int64_t> base(np);
+  int64_t total = 0;
+  for (size_t p = 0; p < np; ++p) {
+    base[p] = total;
+    total += layout.params[p].padded_shard_numel;
+  }
+  const size_t piece = g.piece_bytes();
+  const int64_t window = static_cast<int64_t>(piece / ges);
+  const int64_t steps = total == 0 ? 0 : (total + window - 1) / window;
+  const int n_slots = g.num_slots();
+
+  StagingReport report;
+  report.slot_bytes = g.slot_bytes();
+  report.num_slots = static_cast<int>(std::min<int64_t>(n_slots, steps));
+
+  const uint32_t first = g.current(CudaGroup::kRsReady) + 1;  // step id of window 0
+  std::vector<int64_t> reuse_off(n_slots, -1);
+  if (reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
+    std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
+    for (auto& r : regions) r.base_id = 0;
+    const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : 256;
+    plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
+                                                       report.num_slots, align);
+    for (int i = 0; i < report.num_slots; ++i) {
+      const int idx = static_cast<int>((first + static_cast<uint32_t>(i)) % static_cast<uint32_t>(n_slots));
+      if (homes.slots[i].reused) {
+        reuse_off[idx] = homes.slots[i].offset;
+        ++report.reused_slots;
+      }
+    }
+  }
+  report.fallback_bytes = static_cast<size_t>(report.num_slots - report.reused_slots) * report.slot_bytes;
+  auto slot_of = [&](int rank, int idx) -> std::byte* {
+    return reuse_off[idx] >= 0 ? reuse->peer(rank) + reuse_off[idx] : g.slot(rank, idx);
+  };
+
+  cudaStream_t cs = g.copy_stream(), ks = g.compute_stream();
+  g.begin("param_reduce_scatter", stream, {cs, ks});
+  auto* out = static_cast<float*>(a.out);
+  // Padding of my shards receives zeros (FSDP2 reduces zero-padded inputs).
+  for (size_t p = 0; p < np; ++p) {
+    const plan::ParamLayout& pl = layout.params[p];
+    const int64_t n = pl.shards[me].numel;
+    if (pl.padded_shard_numel > n)
+      TIDE_CUDA_CHECK(cudaMemsetAsync(out + a.out_offsets[p] + n, 0,
+                                      static_cast<size_t>(pl.padded_shard_numel - n) * sizeof(float), ks));
+  }
+
+  struct Mine {
+    size_t p;
+    int64_t lo, hi, pos;
+    const void* in_place;
+  };
+  std::vector<Mine> mine;
+  AccumulateSources srcs{};
+  uint32_t t = 0;
+  for (int64_t w = 0; w < steps; ++w) {
+    const int64_t b = w * window, e = std::min(total, b + window);
+    t = g.next(CudaGroup::kRsReady);
+    (void)g.next(CudaGroup::kRsDone);
+    const int idx = static_cast<int>(t % static_cast<uint32_t>(n_slots));
+    // The slot was last used by step t - n_slots: every reader of it must be done.
+    if (t > static_cast<uint32_t>(n_slots))
+      for (int r = 0; r < ws; ++r) g.wait(cs, r, CudaGroup::kRsDone, t - static_cast<uint32_t>(n_slots));
+    std::byte* my_slot = slot_of(me, idx);
+    // Phase 1: my slices for every destination into piece d of my slot.
+    mine.clear();
+    detail::CopyBatch batch(cs, g.device());
+    for (int d = 0; d < ws; ++d) {
+      for (size_t p = 0; p < np; ++p) {
+        const plan::Shard& sh = layout.params[p].shards[d];
+        const int64_t lo = std::max<int64_t>(b - base[p], 0), hi = std::min<int64_t>(e - base[p], sh.numel);
+        if (lo >= hi) continue;
+        TIDE_CHECK(a.grads[p], "tide: cuda: param_reduce_scatter on rank ", me, ": param ", p, " has no gradient");
+        std::vector<plan::Strided> pats = plan::slice(sh.placement, lo, hi);
+        const int64_t pos = base[p] + lo - b;
+        const auto* grad = static_cast<const std::byte*>(a.grads[p]);
+        if (d == me) {
+          const bool direct = contiguous(pats);
+          mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
+          if (direct) continue;
+        }
+        std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
+        for (const plan::Strided& pat : pats) {
+          const size_t run = static_cast<size_t>(pat.run) * ges;
+          const auto* src = grad + static_cast<size_t>(pat.offset) * ges;
+          if (pat.count == 1 || pat.run == pat.stride)
+            batch.add(dst, src, run * static_cast<size_t>(pat.count));
+          else
+            batch.add(dst, run, src, static_cast<size_t>(pat.stride) * ges, run, static_cast<size_t>(pat.count));
+          dst += static_cast<size_t>(pat.numel()) * ges;
+        }
+      }
+    }
+    batch.flush();
+    g.post(cs, CudaGroup::kRsReady, t);
+    // Phase 2: every rank's piece `me`, in rank order, into my fp32 shard.
+    for (int r = 0; r < ws; ++r) g.wait(ks, r, CudaGroup::kRsReady, t);
+    for (const Mine& m : mine) {
+      const size_t at = static_cast<size_t>(me) * piece + static_cast<size_t>(m.pos) * ges;
+      float* dst = out + a.out_offsets[m.p] + m.lo;
+      const size_t count = static_cast<size_t>(m.hi - m.lo);
+      const bool one_launch = ws <= kMaxAccumulateSources;
+      for (int r0 = 0; r0 < ws; r0 += kMaxAccumulateSources) {
+        srcs.count = std::min(kMaxAccumulateSources, ws - r0);
+        for (int k = 0; k < srcs.count; ++k) {
+          const int r = r0 + k;
+          srcs.ptr[k] = r == me && m.in_place ? m.in_place : slot_of(r, idx) + at;
+        }
+        TIDE_CUDA_CHECK(launch_accumulate_f32(dst, srcs, a.grad_dtype, count, one_launch ? scale : 1.f,
+                                              /*accumulate=*/r0 > 0, g.rs_ctas(), ks));
+      }
+      if (!one_launch && scale != 1.f) TIDE_CUDA_CHECK(launch_scale_f32(dst, count, scale, ks));
+    }
+    g.post(ks, CudaGroup::kRsDone, t);
+  }
+  // Reused slots belong to the caller again on return: no peer may still read mine.
+  if (report.reused_slots > 0 && steps > 0)
+    for (int r = 0; r < ws; ++r)
+      if (r != me) g.wait(ks, r, CudaGroup::kRsDone, t);
+  g.end(stream, {cs, ks});
+  return report;
+}
+
+}  // namespace tide::cuda

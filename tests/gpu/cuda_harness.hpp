@@ -1,0 +1,183 @@
+// Multi-process harness for the CUDA tests (GoogleTest and the GoogleTest-free selftest).
+//
+// CUDA must not be used in a child forked from a process that already initialised CUDA, and
+// the test binary's parent may have (other tests, the device check). So each rank is a fresh
+// process: fork, then exec /proc/self/exe with TIDE_CUDA_TEST_CHILD set; the child runs one
+// scenario (cuda_scenarios.hpp) for its rank, sets device 0, rendezvous through a FileStore
+// in a fresh temporary directory, reports "OK ..." or "FAIL ..." through a pipe and _exits.
+// The parent never calls CUDA here.
+#pragma once
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace tide::cudatest {
+
+struct RankCtx {
+  std::string scenario;
+  int rank = 0, ws = 1;
+  std::string dir;
+  uint64_t seed = 0;
+};
+
+struct Outcome {
+  int exit_code = -1;
+  bool hung = false;
+  std::string text;
+};
+
+// Runs in the child: returns a line of text for the parent, throws on failure.
+std::string run_scenario(const RankCtx& ctx);
+
+// The child side: when TIDE_CUDA_TEST_CHILD is set, run the scenario and _exit. Call first
+// thing in main (selftest) or in a dedicated test (GoogleTest).
+inline void child_main_if_requested() {
+  const char* v = std::getenv("TIDE_CUDA_TEST_CHILD");
+  if (!v || !*v) return;
+  RankCtx c;
+  int fd = -1;
+  {
+    std::istringstream is(v);
+    std::string f;
+    std::vector<std::string> parts;
+    while (std::getline(is, f, ';')) parts.push_back(f);
+    if (parts.size() != 6) _exit(3);
+    c.scenario = parts[0];
+    c.rank = std::atoi(parts[1].c_str());
+    c.ws = std::atoi(parts[2].c_str());
+    c.dir = parts[3];
+    c.seed = std::strtoull(parts[4].c_str(), nullptr, 10);
+    fd = std::atoi(parts[5].c_str());
+  }
+  std::string msg;
+  int code = 0;
+  try {
+    msg = "OK " + run_scenario(c);
+  } catch (const std::exception& e) {
+    msg = std::string("FAIL rank ") + std::to_string(c.rank) + ": " + e.what();
+    code = 1;
+  } catch (...) {
+    msg = "FAIL rank " + std::to_string(c.rank) + ": unknown exception";
+    code = 1;
+  }
+  msg += "\n";
+  (void)!::write(fd, msg.data(), msg.size());
+  std::fflush(nullptr);
+  _exit(code);
+}
+
+// The parent side. `child_args` are extra argv entries for the re-executed binary (the
+// GoogleTest build passes a filter selecting its child test).
+inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const std::vector<std::string>& child_args,
+                                      std::chrono::seconds limit = std::chrono::seconds(120)) {
+  char tmpl[] = "/tmp/tide-cuda-test-XXXXXX";
+  const char* dir = ::mkdtemp(tmpl);
+  if (!dir) throw std::runtime_error("mkdtemp failed");
+  const uint64_t seed = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
+  std::vector<pid_t> pids(ws, -1);
+  std::vector<int> fds(ws, -1);
+  std::vector<Outcome> out(ws);
+  std::fflush(nullptr);
+  for (int r = 0; r < ws; ++r) {
+    int p[2];
+    if (::pipe(p) != 0) throw std::runtime_error("pipe failed");
+    ::fcntl(p[0], F_SETFD, FD_CLOEXEC);
+    const std::string env = scenario + ";" + std::to_string(r) + ";" + std::to_string(ws) + ";" + dir + ";" +
+                            std::to_string(seed) + ";" + std::to_string(p[1]);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(p[0]);
+      ::setenv("TIDE_CUDA_TEST_CHILD", env.c_str(), 1);
+      int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0) ::dup2(devnull, 1);  // the re-executed test binary's banners
+      std::vector<std::string> args{"/proc/self/exe"};
+      args.insert(args.end(), child_args.begin(), child_args.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      _exit(4);
+    }
+    ::close(p[1]);
+    pids[r] = pid;
+    fds[r] = p[0];
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int left = ws;
+  std::vector<bool> done(ws, false);
+  while (left > 0) {
+    for (int r = 0; r < ws; ++r) {
+      if (done[r]) continue;
+      char buf[4096];
+      for (;;) {
+        pollfd pf{fds[r], POLLIN, 0};
+        if (::poll(&pf, 1, 0) <= 0) break;
+        ssize_t n = ::read(fds[r], buf, sizeof buf);
+        if (n <= 0) break;
+        out[r].text.append(buf, static_cast<size_t>(n));
+      }
+      int st = 0;
+      if (::waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        ssize_t n;
+        while ((n = ::read(fds[r], buf, sizeof buf)) > 0) out[r].text.append(buf, static_cast<size_t>(n));
+        out[r].exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        if (WIFSIGNALED(st)) out[r].text += "killed by signal " + std::to_string(WTERMSIG(st)) + "\n";
+        done[r] = true;
+        --left;
+      }
+    }
+    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (int r = 0; r < ws; ++r)
+        if (!done[r]) {
+          ::kill(pids[r], SIGKILL);
+          ::waitpid(pids[r], nullptr, 0);
+          out[r].hung = true;
+          out[r].text += "hung: killed after " + std::to_string(limit.count()) + " s\n";
+        }
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  for (int fd : fds) ::close(fd);
+  std::string cmd = std::string("rm -rf '") + dir + "'";
+  (void)!std::system(cmd.c_str());
+  return out;
+}
+
+// Number of CUDA devices, asked of a fresh child process (the parent stays CUDA-free).
+inline int device_count(const std::vector<std::string>& child_args) {
+  static int cached = -1;
+  if (cached >= 0) return cached;
+  std::vector<Outcome> o = run_ranks("count", 1, child_args, std::chrono::seconds(60));
+  cached = 0;
+  if (o[0].exit_code == 0 && o[0].text.rfind("OK ", 0) == 0) cached = std::atoi(o[0].text.c_str() + 3);
+  return cached;
+}
+
+inline std::string summary(const std::vector<Outcome>& o) {
+  std::string s;
+  for (size_t r = 0; r < o.size(); ++r)
+    s += "rank " + std::to_string(r) + " exit " + std::to_string(o[r].exit_code) + (o[r].hung ? " (hung)" : "") + ": " +
+         o[r].text;
+  return s;
+}
+
+inline bool all_ok(const std::vector<Outcome>& o) {
+  for (const Outcome& x : o)
+    if (x.exit_code != 0 || x.hung || x.text.rfind("OK", 0) != 0) return false;
+  return true;
+}
+
+}  // namespace tide::cudatest

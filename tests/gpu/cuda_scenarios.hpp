@@ -1,0 +1,368 @@
+// What each rank process of a CUDA test does (see cuda_harness.hpp). Include in exactly one
+// translation unit per binary. Every scenario regenerates every rank's data from the shared
+// seed, so references are computed on the host without exchanging data; outputs are poisoned
+// (0xFF bytes: NaN for floats) beforehand so unwritten bytes show.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_harness.hpp"
+#include "tide/cuda/check.hpp"
+#include "tide/cuda/group.hpp"
+#include "tide/cuda/kernels.hpp"
+#include "tide/cuda/probe.hpp"
+#include "tide/plan.hpp"
+
+namespace tide::cudatest {
+namespace sc {
+
+#define TIDE_EXPECT(cond, ...)                                                                                   \
+  do {                                                                                                          \
+    if (!(cond))                                                                                                \
+      throw std::runtime_error(::tide::detail::concat(__FILE__, ":", __LINE__, ": ", #cond, " -- ", __VA_ARGS__)); \
+  } while (0)
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (no NaNs in the data)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float from_bf16(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float from_f16(uint16_t h) {
+  const uint32_t sign = (h >> 15) & 1, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float v;
+  if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
+  else if (exp == 31) v = man ? NAN : INFINITY;
+  else v = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+  return sign ? -v : v;
+}
+// Values exactly representable in f16 (and bf16): small multiples of 1/64.
+inline uint16_t to_f16_exact(float v) {  // v = k/64, |k| < 1024
+  if (v == 0.f) return 0;
+  uint16_t sign = v < 0 ? 0x8000 : 0;
+  float a = std::fabs(v);
+  int e;
+  float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  const int exp = e - 1 + 15;
+  const uint32_t man = static_cast<uint32_t>((m * 2.f - 1.f) * 1024.f);
+  return static_cast<uint16_t>(sign | (exp << 10) | man);
+}
+
+// Element values of (rank, param) as the given dtype's bytes.
+inline std::vector<uint8_t> make_data(uint64_t seed, int rank, int param, int64_t n, DType t) {
+  std::mt19937_64 rng(seed ^ (uint64_t(rank + 1) * 0x9E3779B97F4A7C15ull) ^ (uint64_t(param + 1) << 40));
+  std::normal_distribution<float> dist;
+  std::uniform_int_distribution<int> small(-1000, 1000);
+  std::vector<uint8_t> b(static_cast<size_t>(n) * dtype_size(t));
+  for (int64_t i = 0; i < n; ++i) {
+    if (t == DType::f32) {
+      float v = dist(rng);
+      std::memcpy(&b[i * 4], &v, 4);
+    } else if (t == DType::bf16) {
+      uint16_t v = to_bf16(dist(rng));
+      std::memcpy(&b[i * 2], &v, 2);
+    } else {
+      uint16_t v = to_f16_exact(static_cast<float>(small(rng)) / 64.f);
+      std::memcpy(&b[i * 2], &v, 2);
+    }
+  }
+  return b;
+}
+inline float value(const std::vector<uint8_t>& b, int64_t i, DType t) {
+  if (t == DType::f32) {
+    float v;
+    std::memcpy(&v, &b[i * 4], 4);
+    return v;
+  }
+  uint16_t h;
+  std::memcpy(&h, &b[i * 2], 2);
+  return t == DType::bf16 ? from_bf16(h) : from_f16(h);
+}
+inline int64_t at(const plan::Strided& s, int64_t i) { return s.offset + (i / s.run) * s.stride + i % s.run; }
+
+inline plan::GroupLayout test_layout(int ws, int64_t elem_size) {
+  std::vector<plan::Param> ps = {
+      {{37, 24}, elem_size, 0},   // uneven Shard(0)
+      {{16, 12}, elem_size, 1},   // Shard(1): strided placement
+      {{3, 5}, elem_size, 0},     // fewer rows than ranks at ws 4
+      {{1000}, elem_size, 0},     // 1-d
+      {{8, 4, 8}, elem_size, 2},  // Shard(2)
+      {{129, 64}, elem_size, 0},  // bigger: several pipeline windows
+  };
+  return plan::plan_group(ps, ws);
+}
+
+struct Group {
+  std::shared_ptr<Store> store;
+  std::unique_ptr<cuda::CudaGroup> g;
+};
+inline Group make_group(const RankCtx& c, cuda::CudaGroupOptions opt = {}) {
+  TIDE_CUDA_CHECK(cudaSetDevice(0));  // every rank shares device 0 (one-GPU machine)
+  Group gr;
+  gr.store = std::shared_ptr<Store>(make_file_store(c.dir).release());
+  opt.timeout = std::chrono::seconds(60);
+  gr.g = std::make_unique<cuda::CudaGroup>(gr.store, "t", c.rank, c.ws, 0, opt);
+  return gr;
+}
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count) : n(count) { TIDE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T))); }
+  ~DevBuf() { if (p) (void)cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+};
+
+inline std::string scenario_symmetric(const RankCtx& c) {
+  Group gr = make_group(c);
+  const size_t mine = (c.rank + 1) * 4099;
+  auto buf = gr.g->allocate_symmetric(mine);
+  std::vector<uint8_t> pat = make_data(c.seed, c.rank, 99, static_cast<int64_t>(mine), DType::f32);
+  pat.resize(mine);
+  TIDE_CUDA_CHECK(cudaMemcpy(buf->local(), pat.data(), mine, cudaMemcpyHostToDevice));
+  gr.g->barrier();
+  for (int r = 0; r < c.ws; ++r) {
+    const size_t n = (r + 1) * 4099;
+    TIDE_EXPECT(buf->bytes(r) == n, "rank ", r, " part has ", buf->bytes(r), " bytes");
+    std::vector<uint8_t> want = make_data(c.seed, r, 99, static_cast<int64_t>(n), DType::f32);
+    want.resize(n);
+    std::vector<uint8_t> got(n);
+    TIDE_CUDA_CHECK(cudaMemcpy(got.data(), buf->peer(r), n, cudaMemcpyDeviceToHost));
+    TIDE_EXPECT(got == want, "rank ", c.rank, " reads wrong bytes from rank ", r, "'s part");
+  }
+  gr.g->barrier();
+  buf->release(100, 1000);
+  std::vector<uint8_t> got(mine);
+  TIDE_CUDA_CHECK(cudaMemcpy(got.data(), buf->local(), mine, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < mine; ++i)
+    TIDE_EXPECT(got[i] == (i >= 100 && i < 1100 ? 0 : pat[i]), "byte ", i, " after release");
+  gr.g->barrier();
+  return "symmetric ok";
+}
+
+inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType storage_t, int sync) {
+  cuda::CudaGroupOptions opt;
+  opt.sync = sync;
+  Group gr = make_group(c, opt);
+  const size_t ses = dtype_size(shard_t), des = dtype_size(storage_t);
+  plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(des));
+  const size_t np = layout.params.size();
+  std::vector<size_t> offs(np);
+  size_t total = 0;
+  for (size_t p = 0; p < np; ++p) {
+    offs[p] = total;
+    total += (static_cast<size_t>(layout.params[p].padded_shard_numel) * ses + 255) / 256 * 256;
+  }
+  auto shards = gr.g->allocate_symmetric(total);
+  for (size_t p = 0; p < np; ++p) {
+    const int64_t n = layout.params[p].shards[c.rank].numel;
+    std::vector<uint8_t> d = make_data(c.seed, c.rank, static_cast<int>(p), n, shard_t);
+    if (!d.empty()) TIDE_CUDA_CHECK(cudaMemcpy(shards->local() + offs[p], d.data(), d.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<std::unique_ptr<DevBuf<uint8_t>>> st;
+  std::vector<void*> storages;
+  for (size_t p = 0; p < np; ++p) {
+    st.push_back(std::make_unique<DevBuf<uint8_t>>(static_cast<size_t>(layout.params[p].storage_bytes())));
+    TIDE_CUDA_CHECK(cudaMemset(st.back()->p, 0xFF, st.back()->n));
+    storages.push_back(st.back()->p);
+  }
+  ParamAllGather a;
+  a.layout = &layout;
+  a.shards = shards.get();
+  a.shard_offsets = offs;
+  a.shard_dtype = shard_t;
+  a.storages = storages;
+  a.storage_dtype = storage_t;
+  const uint64_t launches = cuda::kernel_launch_count();
+  for (int iter = 0; iter < 2; ++iter) cuda::param_all_gather(*gr.g, a);
+  const uint64_t used = cuda::kernel_launch_count() - launches;
+  if (shard_t == storage_t) TIDE_EXPECT(used == 0, "equal-dtype all-gather launched ", used, " kernels");
+  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+  for (size_t p = 0; p < np; ++p) {
+    const plan::ParamLayout& pl = layout.params[p];
+    std::vector<uint8_t> got(static_cast<size_t>(pl.storage_bytes()));
+    TIDE_CUDA_CHECK(cudaMemcpy(got.data(), storages[p], got.size(), cudaMemcpyDeviceToHost));
+    std::vector<bool> covered(static_cast<size_t>(pl.storage_numel), false);
+    for (int r = 0; r < c.ws; ++r) {
+      const plan::Shard& sh = pl.shards[r];
+      std::vector<uint8_t> d = make_data(c.seed, r, static_cast<int>(p), sh.numel, shard_t);
+      for (int64_t i = 0; i < sh.numel; ++i) {
+        const int64_t j = at(sh.placement, i);
+        covered[j] = true;
+        std::vector<uint8_t> want(des);
+        if (shard_t == storage_t) {
+          std::memcpy(want.data(), &d[i * ses], des);
+        } else {
+          TIDE_EXPECT(shard_t == DType::f32 && storage_t == DType::bf16, "test covers f32 -> bf16 casts only");
+          const uint16_t h = to_bf16(value(d, i, DType::f32));
+          std::memcpy(want.data(), &h, 2);
+        }
+        TIDE_EXPECT(std::memcmp(&got[j * des], want.data(), des) == 0, "param ", p, " storage element ", j,
+                    " (rank ", r, "'s shard element ", i, ") wrong on rank ", c.rank);
+      }
+    }
+    for (int64_t j = 0; j < pl.storage_numel; ++j)
+      if (!covered[j])
+        for (size_t k = 0; k < des; ++k)
+          TIDE_EXPECT(got[j * des + k] == 0xFF, "param ", p, " storage element ", j, " outside every placement was written");
+  }
+  gr.g->barrier();
+  return "all-gather ok, kernels launched: " + std::to_string(used);
+}
+
+inline std::string scenario_reduce_scatter(const RankCtx& c, DType grad_t, ReduceOp op, int sync, size_t staging) {
+  cuda::CudaGroupOptions opt;
+  opt.sync = sync;
+  opt.staging_bytes = staging;
+  opt.rs_ctas = 3;
+  Group gr = make_group(c, opt);
+  const size_t ges = dtype_size(grad_t);
+  plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(ges));
+  const size_t np = layout.params.size();
+  std::vector<std::unique_ptr<DevBuf<uint8_t>>> gbufs;
+  std::vector<const void*> grads;
+  std::vector<int64_t> out_off(np);
+  int64_t out_n = 0;
+  for (size_t p = 0; p < np; ++p) {
+    const int64_t n = layout.params[p].numel;
+    std::vector<uint8_t> d = make_data(c.seed, c.rank, static_cast<int>(p), n, grad_t);
+    gbufs.push_back(std::make_unique<DevBuf<uint8_t>>(d.size()));
+    TIDE_CUDA_CHECK(cudaMemcpy(gbufs.back()->p, d.data(), d.size(), cudaMemcpyHostToDevice));
+    grads.push_back(gbufs.back()->p);
+    out_off[p] = out_n;
+    out_n += layout.params[p].padded_shard_numel;
+  }
+  DevBuf<float> out(static_cast<size_t>(out_n));
+  TIDE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
+  ParamReduceScatter a;
+  a.layout = &layout;
+  a.grads = grads;
+  a.grad_dtype = grad_t;
+  a.out = out.p;
+  a.out_offsets = out_off;
+  a.out_dtype = DType::f32;
+  a.op.op = op;
+  a.op.premul_factor = 0.37;
+  StagingReport rep;
+  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter(*gr.g, a);
+  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> got(out.n);
+  TIDE_CUDA_CHECK(cudaMemcpy(got.data(), out.p, out.n * sizeof(float), cudaMemcpyDeviceToHost));
+  const float scale = op == ReduceOp::avg ? 1.f / static_cast<float>(c.ws) : op == ReduceOp::premul_sum ? 0.37f : 1.f;
+  std::vector<std::vector<uint8_t>> all(c.ws);
+  for (size_t p = 0; p < np; ++p) {
+    const plan::ParamLayout& pl = layout.params[p];
+    for (int r = 0; r < c.ws; ++r) all[r] = make_data(c.seed, r, static_cast<int>(p), pl.numel, grad_t);
+    const plan::Shard& sh = pl.shards[c.rank];
+    for (int64_t i = 0; i < pl.padded_shard_numel; ++i) {
+      const float g = got[static_cast<size_t>(out_off[p] + i)];
+      if (i >= sh.numel) {
+        TIDE_EXPECT(g == 0.f && !std::signbit(g), "param ", p, " padding element ", i, " is ", g);
+        continue;
+      }
+      const int64_t j = at(sh.placement, i);
+      volatile float acc = 0.f;
+      for (int r = 0; r < c.ws; ++r) acc = acc + value(all[r], j, grad_t);
+      volatile float want = scale * acc;
+      TIDE_EXPECT(std::memcmp(&g, const_cast<float*>(&want), 4) == 0, "param ", p, " shard element ", i, " on rank ",
+                  c.rank, ": got ", g, " want ", static_cast<float>(want));
+    }
+  }
+  gr.g->barrier();
+  return "reduce-scatter ok, slots " + std::to_string(rep.num_slots) + " x " + std::to_string(rep.slot_bytes) + " bytes";
+}
+
+inline std::string scenario_rs_errors(const RankCtx& c) {
+  Group gr = make_group(c);
+  plan::GroupLayout layout = test_layout(c.ws, 2);
+  std::vector<const void*> grads(layout.params.size(), nullptr);
+  std::vector<int64_t> offs(layout.params.size(), 0);
+  ParamReduceScatter a;
+  a.layout = &layout;
+  a.grads = grads;
+  a.out_offsets = offs;
+  a.grad_dtype = DType::bf16;
+  a.out_dtype = DType::bf16;
+  bool threw = false;
+  try {
+    cuda::param_reduce_scatter(*gr.g, a);
+  } catch (const Error& e) {
+    threw = std::string(e.what()).find("unsupported bf16 -> bf16") != std::string::npos;
+  }
+  TIDE_EXPECT(threw, "bf16 -> bf16 must be refused");
+  a.out_dtype = DType::f32;
+  a.op.op = ReduceOp::max;
+  threw = false;
+  try {
+    cuda::param_reduce_scatter(*gr.g, a);
+  } catch (const Error& e) {
+    threw = std::string(e.what()).find("max") != std::string::npos;
+  }
+  TIDE_EXPECT(threw, "max must be refused");
+  // A checked CUDA call names the call, the rank and CUDA's error string.
+  threw = false;
+  try {
+    TIDE_CUDA_CHECK(cudaSetDevice(12345));
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    threw = w.find("cudaSetDevice(12345)") != std::string::npos && w.find("rank " + std::to_string(c.rank)) != std::string::npos;
+  }
+  TIDE_EXPECT(threw, "TIDE_CUDA_CHECK message");
+  gr.g->barrier();
+  return "errors ok";
+}
+
+}  // namespace sc
+
+inline std::vector<std::string> scenario_names() {
+  return {"symmetric",     "ag_bf16",      "ag_f32",      "ag_cast_f32_bf16", "ag_bf16_hostsync", "rs_bf16_sum",
+          "rs_bf16_avg",   "rs_f16_sum",   "rs_f32_premul", "rs_bf16_sum_hostsync", "rs_bf16_sum_bigstaging",
+          "rs_errors"};
+}
+
+std::string run_scenario(const RankCtx& c) {
+  using namespace sc;
+  const std::string& s = c.scenario;
+  if (s == "count") {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    return std::to_string(n);
+  }
+  if (s == "probe") {
+    cuda::Capabilities caps = cuda::probe();
+    TIDE_EXPECT(caps.device_count > 0, "probe found no device: ", caps.error);
+    TIDE_EXPECT(caps.devices[0].sm_count > 0 && caps.devices[0].copy_engines > 0, cuda::describe(caps));
+    cuda::PathChoice pc = cuda::choose_allgather_path(caps, std::vector<int>(static_cast<size_t>(c.ws), 0));
+    TIDE_EXPECT(c.ws == 1 || pc.path != cuda::AllGatherPath::multicast, "multicast chosen for ranks sharing a device");
+    return cuda::describe(caps) + "\n  all-gather path: " + cuda::path_name(pc.path) + " (" + pc.reason + ")";
+  }
+  const size_t small = static_cast<size_t>(2 * c.ws * 1024);  // 2 slots x ws pieces of 1 KiB
+  if (s == "symmetric") return scenario_symmetric(c);
+  if (s == "ag_bf16") return scenario_all_gather(c, DType::bf16, DType::bf16, 0);
+  if (s == "ag_f32") return scenario_all_gather(c, DType::f32, DType::f32, 0);
+  if (s == "ag_cast_f32_bf16") return scenario_all_gather(c, DType::f32, DType::bf16, 0);
+  if (s == "ag_bf16_hostsync") return scenario_all_gather(c, DType::bf16, DType::bf16, 1);
+  if (s == "rs_bf16_sum") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::sum, 0, small);
+  if (s == "rs_bf16_avg") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::avg, 0, small);
+  if (s == "rs_f16_sum") return scenario_reduce_scatter(c, DType::f16, ReduceOp::sum, 0, small);
+  if (s == "rs_f32_premul") return scenario_reduce_scatter(c, DType::f32, ReduceOp::premul_sum, 0, small);
+  if (s == "rs_bf16_sum_hostsync") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::sum, 1, small);
+  if (s == "rs_bf16_sum_bigstaging") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::sum, 0, 0);
+  if (s == "rs_errors") return scenario_rs_errors(c);
+  throw std::runtime_error("unknown scenario " + s);
+}
+
+}  // namespace tide::cudatest

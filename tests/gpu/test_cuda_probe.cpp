@@ -1,0 +1,55 @@
+// Capability probing and the all-gather path decision. The decision is pure logic over a
+// Capabilities value, so it is tested here on hand-made capabilities (runs without a GPU);
+// probe() itself runs in a child process in test_cuda_collectives.cpp (CudaProbe).
+#include <gtest/gtest.h>
+
+#include "tide/cuda/probe.hpp"
+
+namespace {
+
+using tide::cuda::AllGatherPath;
+using tide::cuda::Capabilities;
+using tide::cuda::choose_allgather_path;
+
+Capabilities fake(int n, bool multicast, int engines = 3) {
+  Capabilities c;
+  c.device_count = n;
+  for (int d = 0; d < n; ++d) {
+    tide::cuda::DeviceCaps dc;
+    dc.ordinal = d;
+    dc.sm_count = 132;
+    dc.copy_engines = engines;
+    dc.unified_addressing = dc.ipc = true;
+    dc.vmm = dc.posix_fd_handles = true;
+    dc.multicast = multicast;
+    c.devices.push_back(dc);
+  }
+  c.peer_access.assign(n, std::vector<bool>(n, true));
+  return c;
+}
+
+TEST(CudaPathChoice, MulticastWhenEveryRankHasItsOwnCapableDevice) {
+  EXPECT_EQ(choose_allgather_path(fake(8, true), {0, 1, 2, 3, 4, 5, 6, 7}).path, AllGatherPath::multicast);
+}
+
+TEST(CudaPathChoice, CopyEnginesWithoutMulticast) {
+  auto pc = choose_allgather_path(fake(2, false), {0, 1});
+  EXPECT_EQ(pc.path, AllGatherPath::copy_engine);
+  EXPECT_EQ(pc.reason, "multicast unsupported on this device");
+}
+
+TEST(CudaPathChoice, CopyEnginesWhenRanksShareADevice) {
+  EXPECT_EQ(choose_allgather_path(fake(1, true), {0, 0, 0, 0}).path, AllGatherPath::copy_engine);
+}
+
+TEST(CudaPathChoice, NcclWithoutPeerAccess) {
+  Capabilities c = fake(2, false);
+  c.peer_access[0][1] = c.peer_access[1][0] = false;
+  EXPECT_EQ(choose_allgather_path(c, {0, 1}).path, AllGatherPath::nccl);
+}
+
+TEST(CudaPathChoice, NcclWithoutDevice) {
+  EXPECT_EQ(choose_allgather_path(Capabilities{}, {0}).path, AllGatherPath::nccl);
+}
+
+}  // namespace
