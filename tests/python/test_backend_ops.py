@@ -270,7 +270,43 @@ def async_worker(rank, ws):
     return failures
 
 
-WORKERS = [reduction_worker, mixed_precision_worker, data_movement_worker,
+def coalesced_worker(rank, ws):
+    """The coalesced variants, through torch's own _coalescing_manager."""
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    failures = []
+    sizes = [5, 1000, 33]
+    ins = [[make_input(70 + i, r, n, torch.float32) for r in range(ws)] for i, n in enumerate(sizes)]
+    ts = [ins[i][rank].clone() for i in range(len(sizes))]
+    with _coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t)
+    cm.wait()
+    for i, t in enumerate(ts):
+        check(failures, f"coalesced all_reduce {i}", t, reference(ins[i], "sum", 1.0, torch.float32))
+
+    outs = [torch.empty(n * ws) for n in sizes]
+    with _coalescing_manager(async_ops=True) as cm:
+        for i, out in enumerate(outs):
+            dist.all_gather_into_tensor(out, ins[i][rank])
+    cm.wait()
+    for i, out in enumerate(outs):
+        check(failures, f"coalesced all_gather_into_tensor {i}", out, torch.cat(ins[i]))
+
+    rs_in = [[make_input(90 + i, r, n * ws, torch.bfloat16) for r in range(ws)]
+             for i, n in enumerate(sizes)]
+    outs = [torch.empty(n) for n in sizes]  # bf16 in, fp32 out, coalesced
+    with _coalescing_manager(async_ops=True) as cm:
+        for i, out in enumerate(outs):
+            dist.reduce_scatter_tensor(out, rs_in[i][rank])
+    cm.wait()
+    for i, out in enumerate(outs):
+        want = reference(rs_in[i], "sum", 1.0, torch.float64).chunk(ws)[rank].float()
+        check(failures, f"coalesced reduce_scatter_tensor {i}", out, want)
+    return failures
+
+
+WORKERS = [reduction_worker, coalesced_worker, mixed_precision_worker, data_movement_worker,
            noncontiguous_worker, async_worker]
 
 
