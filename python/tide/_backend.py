@@ -1,6 +1,8 @@
 """Registers ProcessGroupTide with torch.distributed as the "tide" backend."""
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from . import _C
@@ -8,16 +10,37 @@ from . import _C
 BACKEND_NAME = "tide"
 
 
+def _nccl_delegate(dist_opts):
+    """Torch's NCCL backend for the standard ops on CUDA tensors, where CUDA and NCCL
+    exist; None elsewhere (CUDA tensors then get a clear error)."""
+    import torch
+
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = dist_opts.timeout
+    store = dist.PrefixStore("tide-nccl/", dist_opts.store)
+    nccl = dist.ProcessGroupNCCL(store, dist_opts.group_rank, dist_opts.group_size, options)
+    if os.environ.get("TIDE_DEBUG", "0") not in ("", "0"):
+        print(f"[tide] cuda: standard ops on CUDA tensors go to NCCL "
+              f"{'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+    return nccl
+
+
 def _create_backend(dist_opts, backend_opts):
     # extended_api=True: torch hands us its DistributedBackendOptions (store, ranks,
     # timeout and group name) and the backend options object, which tide does not use.
-    return _C.ProcessGroupTide(
+    backend = _C.ProcessGroupTide(
         dist_opts.store,
         dist_opts.group_rank,
         dist_opts.group_size,
         dist_opts.timeout,
         str(dist_opts.group_id),
     )
+    nccl = _nccl_delegate(dist_opts)
+    if nccl is not None:
+        backend.set_cuda_delegate(nccl)
+    return backend
 
 
 def register() -> None:

@@ -56,8 +56,7 @@ DType to_dtype(at::ScalarType t, const OpContext& ctx) {
 void check_tensor(const at::Tensor& t, const OpContext& ctx, const char* what) {
   TORCH_CHECK(t.defined(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what, " is undefined");
   TORCH_CHECK(!t.is_cuda(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
-              " is a CUDA tensor; the tide CUDA transport is not built yet, so this group only "
-              "handles CPU tensors (use backend='cpu:tide,cuda:nccl' to mix)");
+              " is a CUDA tensor but the others are not; pass tensors of one device");
   TORCH_CHECK(t.device().is_cpu(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
               " is on ", t.device(), "; tide handles CPU tensors");
   TORCH_CHECK(t.layout() == at::kStrided, "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
@@ -124,6 +123,10 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const OpContext&
 size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
 
 }  // namespace
+
+bool is_cuda(const std::vector<at::Tensor>& tensors) {
+  return !tensors.empty() && tensors[0].defined() && tensors[0].is_cuda();
+}
 
 // ---- WorkTide ---------------------------------------------------------------------------
 WorkTide::WorkTide(c10d::OpType op, const char* profiling_title, std::vector<at::Tensor> outputs)
@@ -195,6 +198,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
+  if (is_cuda(tensors)) return cuda_delegate("broadcast")->broadcast(tensors, opts);
   OpContext ctx{"broadcast", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide broadcast: rank ", getRank(),
@@ -210,6 +214,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
+  if (is_cuda(tensors)) return cuda_delegate("allreduce")->allreduce(tensors, opts);
   OpContext ctx{"allreduce", getRank()};
   check_single(tensors, ctx);
   auto out = output(tensors[0], ctx, "tensor");
@@ -224,6 +229,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  if (is_cuda(tensors))
+    return cuda_delegate("allreduce_coalesced")->allreduce_coalesced(tensors, opts);
   OpContext ctx{"allreduce_coalesced", getRank()};
   std::vector<Output> outs;
   std::vector<DType> dtypes;
@@ -244,6 +251,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>& tensors,
                                                         const c10d::ReduceOptions& opts) {
+  if (is_cuda(tensors)) return cuda_delegate("reduce")->reduce(tensors, opts);
   OpContext ctx{"reduce", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide reduce: rank ", getRank(),
@@ -261,7 +269,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>&
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
+    const c10d::AllgatherOptions& opts) {
+  if (is_cuda(inputs)) return cuda_delegate("allgather")->allgather(outputs, inputs, opts);
   OpContext ctx{"allgather", getRank()};
   check_single(inputs, ctx);
   TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
@@ -285,7 +294,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& output_tensor,
                                                                  at::Tensor& input_tensor,
-                                                                 const c10d::AllgatherOptions&) {
+                                                                 const c10d::AllgatherOptions& opts) {
+  if (is_cuda({input_tensor}))
+    return cuda_delegate("_allgather_base")->_allgather_base(output_tensor, input_tensor, opts);
   OpContext ctx{"all_gather_into_tensor", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -306,6 +317,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (is_cuda(inputs))
+    return cuda_delegate("allgather_coalesced")->allgather_coalesced(output_lists, inputs, opts);
   OpContext ctx{"allgather_coalesced", getRank()};
   TORCH_CHECK(output_lists.size() == static_cast<size_t>(getSize()), "tide allgather_coalesced: rank ",
               getRank(), ": expects ", getSize(), " output lists, got ", output_lists.size());
@@ -341,7 +354,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions&) {
+    const c10d::AllgatherOptions& opts) {
+  if (is_cuda(inputs))
+    return cuda_delegate("allgather_into_tensor_coalesced")->allgather_into_tensor_coalesced(outputs, inputs, opts);
   OpContext ctx{"allgather_into_tensor_coalesced", getRank()};
   TORCH_CHECK(outputs.size() == inputs.size(), "tide allgather_into_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
@@ -371,6 +386,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  if (is_cuda(inputs)) return cuda_delegate("gather")->gather(outputs, inputs, opts);
   OpContext ctx{"gather", getRank()};
   check_single(inputs, ctx);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide gather: rank ", getRank(),
@@ -404,6 +420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  if (is_cuda(outputs)) return cuda_delegate("scatter")->scatter(outputs, inputs, opts);
   OpContext ctx{"scatter", getRank()};
   check_single(outputs, ctx);
   TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide scatter: rank ", getRank(),
@@ -435,6 +452,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (is_cuda(outputs))
+    return cuda_delegate("reduce_scatter")->reduce_scatter(outputs, inputs, opts);
   OpContext ctx{"reduce_scatter", getRank()};
   check_single(outputs, ctx);
   TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
@@ -484,6 +503,8 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
+  if (is_cuda({output_tensor}))
+    return cuda_delegate("_reduce_scatter_base")->_reduce_scatter_base(output_tensor, input_tensor, opts);
   auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "tide:reduce_scatter_tensor", {output_tensor},
                  std::move(fn));
@@ -492,6 +513,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (is_cuda(outputs))
+    return cuda_delegate("reduce_scatter_tensor_coalesced")->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   TORCH_CHECK(outputs.size() == inputs.size(), "tide reduce_scatter_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
   std::vector<std::function<void()>> fns;
@@ -506,7 +529,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, std::vector<int64_t>& output_split_sizes,
-    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions&) {
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  if (is_cuda({input_tensor}))
+    return cuda_delegate("alltoall_base")->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts);
   OpContext ctx{"all_to_all_single", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -555,6 +580,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllToAllOptions& opts) {
+  if (is_cuda(inputs)) return cuda_delegate("alltoall")->alltoall(outputs, inputs, opts);
   OpContext ctx{"all_to_all", getRank()};
   int ws = getSize();
   TORCH_CHECK(inputs.size() == static_cast<size_t>(ws) && outputs.size() == static_cast<size_t>(ws),
@@ -592,6 +618,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& tensors,
                                                       int dst_rank, int tag) {
+  if (is_cuda(tensors)) return cuda_delegate("send")->send(tensors, dst_rank, tag);
   OpContext ctx{"send", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), "tide send: rank ",
@@ -604,6 +631,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& tensors,
                                                       int src_rank, int tag) {
+  if (is_cuda(tensors)) return cuda_delegate("recv")->recv(tensors, src_rank, tag);
   OpContext ctx{"recv", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), "tide recv: rank ",
@@ -618,6 +646,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::Tensor>&, int) {
   TORCH_CHECK(false, "tide recv: rank ", getRank(),
               ": receiving from any source is not supported; name the source rank");
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::cuda_delegate(const char* op) const {
+  TORCH_CHECK(cuda_, "tide ", op, ": rank ", getRank(),
+              ": CUDA tensors need NCCL, and this process has no CUDA device or NCCL (the tide "
+              "group then handles CPU tensors only)");
+  return cuda_;
 }
 
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes) {

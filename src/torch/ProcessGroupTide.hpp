@@ -87,6 +87,10 @@ class ProcessGroupTide : public c10d::Backend {
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
+  // Standard ops on CUDA tensors go to this NCCL backend (python/tide/_backend.py creates
+  // it where CUDA and NCCL exist), so a tide group is a complete CUDA backend.
+  void set_cuda_delegate(c10::intrusive_ptr<c10d::Backend> nccl) { cuda_ = std::move(nccl); }
+
   // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
   // Collective, blocking: symmetric shared memory for the group's sharded parameters.
   std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes);
@@ -114,11 +118,13 @@ class ProcessGroupTide : public c10d::Backend {
                                          std::vector<at::Tensor> outputs,
                                          std::function<void()> fn);
   void worker_loop();
+  c10::intrusive_ptr<c10d::Backend> cuda_delegate(const char* op) const;
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);
 
   std::unique_ptr<tide::Comm> comm_;
+  c10::intrusive_ptr<c10d::Backend> cuda_;
   tide::StagingReport last_staging_;
   std::chrono::milliseconds timeout_;
   std::mutex mutex_;

@@ -63,7 +63,8 @@ void bind_backend(pybind11::module_& m) {
            py::arg("grads"), py::arg("out"), py::arg("out_offsets"), py::arg("op"),
            py::arg("reuse") = nullptr, py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            py::call_guard<py::gil_scoped_release>())
-      .def("last_staging_report", &ProcessGroupTide::last_staging_report);
+      .def("last_staging_report", &ProcessGroupTide::last_staging_report)
+      .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"));
 }
 
 }  // namespace tide::py

@@ -13,6 +13,9 @@ namespace tide::cuda {
 void set_error_rank(int rank);
 int error_rank();
 
+// cuGetErrorString through the run-time resolved driver ("unknown" without a driver).
+const char* driver_error_string(int result);
+
 [[noreturn]] void throw_cuda_error(const char* call, int code, const char* what, const char* file,
                                    int line);
 
@@ -26,12 +29,12 @@ int error_rank();
                                      __FILE__, __LINE__);                                       \
   } while (0)
 
+// Driver calls: TIDE_CU_CHECK(driver().cuMemMap(...)) (see tide/cuda/driver.hpp).
 #define TIDE_CU_CHECK(call)                                                                     \
   do {                                                                                          \
     CUresult tide_r_ = (call);                                                                  \
-    if (tide_r_ != CUDA_SUCCESS) {                                                              \
-      const char* tide_s_ = nullptr;                                                            \
-      if (cuGetErrorString(tide_r_, &tide_s_) != CUDA_SUCCESS || !tide_s_) tide_s_ = "unknown"; \
-      ::tide::cuda::throw_cuda_error(#call, static_cast<int>(tide_r_), tide_s_, __FILE__, __LINE__); \
-    }                                                                                           \
+    if (tide_r_ != CUDA_SUCCESS)                                                                \
+      ::tide::cuda::throw_cuda_error(#call, static_cast<int>(tide_r_),                          \
+                                     ::tide::cuda::driver_error_string(static_cast<int>(tide_r_)), \
+                                     __FILE__, __LINE__);                                       \
   } while (0)

@@ -21,3 +21,77 @@ void throw_cuda_error(const char* call, int code, const char* what, const char* 
 }
 
 }  // namespace tide::cuda
+
+// ---- run-time resolved driver entry points (tide/cuda/driver.hpp) ------------------------
+#include <mutex>
+
+#include "tide/cuda/driver.hpp"
+
+namespace tide::cuda {
+namespace {
+
+bool resolve(const char* name, void** fn, unsigned int version) {
+  cudaDriverEntryPointQueryResult q{};
+  *fn = nullptr;
+  if (cudaGetDriverEntryPointByVersion(name, fn, version, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    *fn = nullptr;
+    return false;
+  }
+  return *fn != nullptr;
+}
+
+}  // namespace
+
+const Driver* try_driver() {
+  static Driver d;
+  static bool ok = false;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int v = 0;
+    if (cudaDriverGetVersion(&v) != cudaSuccess || v == 0) {
+      (void)cudaGetLastError();
+      return;
+    }
+#define TIDE_RESOLVE(name, version) resolve(#name, reinterpret_cast<void**>(&d.name), version)
+    ok = TIDE_RESOLVE(cuGetErrorString, 12000) && TIDE_RESOLVE(cuInit, 12000) && TIDE_RESOLVE(cuDeviceGet, 12000) &&
+         TIDE_RESOLVE(cuDeviceGetAttribute, 12000);
+    if (!ok) return;
+    TIDE_RESOLVE(cuStreamWriteValue32, 12000);
+    TIDE_RESOLVE(cuStreamWaitValue32, 12000);
+    TIDE_RESOLVE(cuMulticastCreate, 12010);
+    TIDE_RESOLVE(cuMulticastAddDevice, 12010);
+    TIDE_RESOLVE(cuMulticastBindMem, 12010);
+    TIDE_RESOLVE(cuMulticastUnbind, 12010);
+    TIDE_RESOLVE(cuMulticastGetGranularity, 12010);
+    TIDE_RESOLVE(cuMemCreate, 12000);
+    TIDE_RESOLVE(cuMemRelease, 12000);
+    TIDE_RESOLVE(cuMemMap, 12000);
+    TIDE_RESOLVE(cuMemUnmap, 12000);
+    TIDE_RESOLVE(cuMemSetAccess, 12000);
+    TIDE_RESOLVE(cuMemAddressReserve, 12000);
+    TIDE_RESOLVE(cuMemAddressFree, 12000);
+    TIDE_RESOLVE(cuMemExportToShareableHandle, 12000);
+    TIDE_RESOLVE(cuMemImportFromShareableHandle, 12000);
+#undef TIDE_RESOLVE
+  });
+  return ok ? &d : nullptr;
+}
+
+const Driver& driver() {
+  const Driver* d = try_driver();
+  if (!d)
+    throw Error(detail::concat("tide: cuda: no CUDA driver entry points on rank ", error_rank(),
+                               " (cudaGetDriverEntryPointByVersion failed)"));
+  return *d;
+}
+
+const char* driver_error_string(int result) {
+  const Driver* d = try_driver();
+  const char* s = nullptr;
+  if (!d || d->cuGetErrorString(static_cast<CUresult>(result), &s) != CUDA_SUCCESS || !s) return "unknown";
+  return s;
+}
+
+}  // namespace tide::cuda

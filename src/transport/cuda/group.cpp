@@ -7,6 +7,7 @@
 
 #include "../../core/env.hpp"
 #include "tide/cuda/check.hpp"
+#include "tide/cuda/driver.hpp"
 
 namespace tide::cuda {
 namespace {
@@ -81,16 +82,18 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
 
   if (mode_ == SyncMode::device) {
     // Stream memory operations on IPC-mapped memory: try once on our own (still zero) flag.
-    CUresult r = cuStreamWriteValue32(reinterpret_cast<CUstream>(side_),
+    const Driver& drv = driver();
+    CUresult r = CUDA_ERROR_NOT_SUPPORTED;
+    if (drv.cuStreamWriteValue32 && drv.cuStreamWaitValue32) r = driver().cuStreamWriteValue32(reinterpret_cast<CUstream>(side_),
                                       reinterpret_cast<CUdeviceptr>(control_->local()), 0, CU_STREAM_WRITE_VALUE_DEFAULT);
-    if (r == CUDA_SUCCESS) r = cuStreamWaitValue32(reinterpret_cast<CUstream>(side_),
+    if (r == CUDA_SUCCESS) r = driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(side_),
                                                    reinterpret_cast<CUdeviceptr>(control_->local()), 0,
                                                    CU_STREAM_WAIT_VALUE_GEQ);
     if (r == CUDA_SUCCESS) {
       TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));
     } else {
       const char* s = nullptr;
-      cuGetErrorString(r, &s);
+      driver().cuGetErrorString(r, &s);
       env::log(detail::concat("cuda: rank ", rank_, ": stream memory operations unavailable (", s ? s : "?",
                               "): host-side flags"));
       (void)cudaGetLastError();
@@ -154,7 +157,7 @@ CudaSymmetricBuffer& CudaGroup::scratch(size_t bytes) {
 void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
   std::byte* addr = control_->local() + f * kFlagStride;
   if (mode_ == SyncMode::device) {
-    TIDE_CU_CHECK(cuStreamWriteValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
+    TIDE_CU_CHECK(driver().cuStreamWriteValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
                                        CU_STREAM_WRITE_VALUE_DEFAULT));
     return;
   }
@@ -166,7 +169,7 @@ void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
 void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint32_t value) {
   std::byte* addr = control_->peer(peer) + f * kFlagStride;
   if (mode_ == SyncMode::device) {
-    TIDE_CU_CHECK(cuStreamWaitValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
+    TIDE_CU_CHECK(driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
                                       CU_STREAM_WAIT_VALUE_GEQ));
     return;
   }

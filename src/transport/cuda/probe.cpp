@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "../../core/env.hpp"
+#include "tide/cuda/driver.hpp"
 
 namespace tide::cuda {
 namespace {
@@ -40,9 +41,9 @@ int attr(cudaDeviceAttr a, int dev) {
   return v;
 }
 
-int cu_attr(CUdevice_attribute a, CUdevice dev) {
+int cu_attr(const Driver* drv, CUdevice_attribute a, CUdevice dev) {
   int v = 0;
-  return cuDeviceGetAttribute(&v, a, dev) == CUDA_SUCCESS ? v : 0;
+  return drv && drv->cuDeviceGetAttribute(&v, a, dev) == CUDA_SUCCESS ? v : 0;
 }
 
 }  // namespace
@@ -60,7 +61,8 @@ Capabilities probe() {
     return c;
   }
   c.device_count = n;
-  const bool have_driver = cuInit(0) == CUDA_SUCCESS;
+  const Driver* drv = try_driver();  // resolved through the runtime: no libcuda link
+  const bool have_driver = drv && drv->cuInit(0) == CUDA_SUCCESS;
   for (int d = 0; d < n; ++d) {
     DeviceCaps dc;
     dc.ordinal = d;
@@ -78,14 +80,14 @@ Capabilities probe() {
     dc.unified_addressing = attr(cudaDevAttrUnifiedAddressing, d) != 0;
     dc.ipc = dc.unified_addressing;  // legacy CUDA IPC: Linux + UVA
     CUdevice cu = 0;
-    if (have_driver && cuDeviceGet(&cu, d) == CUDA_SUCCESS) {
-      dc.vmm = cu_attr(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu) != 0;
-      dc.posix_fd_handles = cu_attr(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu) != 0;
-      dc.multicast = cu_attr(CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, cu) != 0;
+    if (have_driver && drv->cuDeviceGet(&cu, d) == CUDA_SUCCESS) {
+      dc.vmm = cu_attr(drv, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, cu) != 0;
+      dc.posix_fd_handles = cu_attr(drv, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cu) != 0;
+      dc.multicast = cu_attr(drv, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, cu) != 0;
       // Stream memory operations are always available since CUDA 12 (the *_v2 entry
       // points); the old CAN_USE_STREAM_MEM_OPS attribute is gone. CudaGroup still falls
       // back to host-side flags if the first cuStreamWriteValue32 fails.
-      dc.stream_mem_ops = c.driver_version >= 12000;
+      dc.stream_mem_ops = c.driver_version >= 12000 && drv->cuStreamWriteValue32 && drv->cuStreamWaitValue32;
     }
     c.devices.push_back(dc);
   }

@@ -9,6 +9,7 @@
 
 #include "../../core/env.hpp"
 #include "tide/cuda/check.hpp"
+#include "tide/cuda/driver.hpp"
 
 namespace tide::cuda {
 namespace {
@@ -158,24 +159,28 @@ int take_fd(int pid, int fd, int rank) {
 std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> store, const std::string& key,
                                                          int rank, int world_size, int device, size_t bytes,
                                                          std::chrono::milliseconds timeout) {
+  const Driver& drv = driver();
+  TIDE_CHECK(drv.cuMulticastCreate && drv.cuMulticastAddDevice && drv.cuMulticastBindMem && drv.cuMulticastUnbind &&
+                 drv.cuMulticastGetGranularity,
+             "tide: cuda: rank ", rank, ": the driver has no multicast entry points (needs CUDA 12.1+)");
   std::unique_ptr<MulticastBuffer> m(new MulticastBuffer());
   m->device_ = device;
   CUdevice dev = 0;
-  TIDE_CU_CHECK(cuDeviceGet(&dev, device));
+  TIDE_CU_CHECK(driver().cuDeviceGet(&dev, device));
   CUmulticastObjectProp mp{};
   mp.numDevices = static_cast<unsigned int>(world_size);
   mp.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   size_t gran = 0;
   mp.size = bytes;
-  TIDE_CU_CHECK(cuMulticastGetGranularity(&gran, &mp, CU_MULTICAST_GRANULARITY_RECOMMENDED));
+  TIDE_CU_CHECK(driver().cuMulticastGetGranularity(&gran, &mp, CU_MULTICAST_GRANULARITY_RECOMMENDED));
   const size_t size = (bytes + gran - 1) / gran * gran;
   mp.size = size;
   m->size_ = size;
   if (rank == 0) {
-    TIDE_CU_CHECK(cuMulticastCreate(&m->mc_, &mp));
+    TIDE_CU_CHECK(driver().cuMulticastCreate(&m->mc_, &mp));
     m->mc_created_ = true;
     int fd = -1;
-    TIDE_CU_CHECK(cuMemExportToShareableHandle(&fd, m->mc_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    TIDE_CU_CHECK(driver().cuMemExportToShareableHandle(&fd, m->mc_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
     m->mc_fd_ = fd;
     int32_t rec[2] = {static_cast<int32_t>(::getpid()), fd};
     store->set(key + "/mc", as_bytes(rec, sizeof rec));
@@ -185,11 +190,11 @@ std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> 
     int32_t rec[2];
     std::memcpy(rec, v.data(), 8);
     m->mc_fd_ = take_fd(rec[0], rec[1], rank);
-    TIDE_CU_CHECK(cuMemImportFromShareableHandle(&m->mc_, reinterpret_cast<void*>(static_cast<intptr_t>(m->mc_fd_)),
+    TIDE_CU_CHECK(driver().cuMemImportFromShareableHandle(&m->mc_, reinterpret_cast<void*>(static_cast<intptr_t>(m->mc_fd_)),
                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
     m->mc_created_ = true;
   }
-  TIDE_CU_CHECK(cuMulticastAddDevice(m->mc_, dev));
+  TIDE_CU_CHECK(driver().cuMulticastAddDevice(m->mc_, dev));
   // Every device must be added before any memory is bound.
   store_barrier(*store, key + "/added", world_size, timeout, rank);
   CUmemAllocationProp ap{};
@@ -197,38 +202,40 @@ std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> 
   ap.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   ap.location.id = device;
   ap.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  TIDE_CU_CHECK(cuMemCreate(&m->mem_, size, &ap, 0));
+  TIDE_CU_CHECK(driver().cuMemCreate(&m->mem_, size, &ap, 0));
   m->mem_created_ = true;
-  TIDE_CU_CHECK(cuMulticastBindMem(m->mc_, 0, m->mem_, 0, size, 0));
+  TIDE_CU_CHECK(driver().cuMulticastBindMem(m->mc_, 0, m->mem_, 0, size, 0));
   m->bound_ = true;
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  TIDE_CU_CHECK(cuMemAddressReserve(&m->uc_va_, size, gran, 0, 0));
-  TIDE_CU_CHECK(cuMemMap(m->uc_va_, size, 0, m->mem_, 0));
-  TIDE_CU_CHECK(cuMemSetAccess(m->uc_va_, size, &access, 1));
-  TIDE_CU_CHECK(cuMemAddressReserve(&m->mc_va_, size, gran, 0, 0));
-  TIDE_CU_CHECK(cuMemMap(m->mc_va_, size, 0, m->mc_, 0));
-  TIDE_CU_CHECK(cuMemSetAccess(m->mc_va_, size, &access, 1));
+  TIDE_CU_CHECK(driver().cuMemAddressReserve(&m->uc_va_, size, gran, 0, 0));
+  TIDE_CU_CHECK(driver().cuMemMap(m->uc_va_, size, 0, m->mem_, 0));
+  TIDE_CU_CHECK(driver().cuMemSetAccess(m->uc_va_, size, &access, 1));
+  TIDE_CU_CHECK(driver().cuMemAddressReserve(&m->mc_va_, size, gran, 0, 0));
+  TIDE_CU_CHECK(driver().cuMemMap(m->mc_va_, size, 0, m->mc_, 0));
+  TIDE_CU_CHECK(driver().cuMemSetAccess(m->mc_va_, size, &access, 1));
   store_barrier(*store, key + "/bound", world_size, timeout, rank);
   return m;
 }
 
 MulticastBuffer::~MulticastBuffer() {
+  const Driver* d = try_driver();
+  if (!d) return;
   CUdevice dev = 0;
-  (void)cuDeviceGet(&dev, device_);
+  (void)d->cuDeviceGet(&dev, device_);
   if (mc_va_) {
-    (void)cuMemUnmap(mc_va_, size_);
-    (void)cuMemAddressFree(mc_va_, size_);
+    (void)d->cuMemUnmap(mc_va_, size_);
+    (void)d->cuMemAddressFree(mc_va_, size_);
   }
   if (uc_va_) {
-    (void)cuMemUnmap(uc_va_, size_);
-    (void)cuMemAddressFree(uc_va_, size_);
+    (void)d->cuMemUnmap(uc_va_, size_);
+    (void)d->cuMemAddressFree(uc_va_, size_);
   }
-  if (bound_) (void)cuMulticastUnbind(mc_, dev, 0, size_);
-  if (mem_created_) (void)cuMemRelease(mem_);
-  if (mc_created_) (void)cuMemRelease(mc_);
+  if (bound_) (void)d->cuMulticastUnbind(mc_, dev, 0, size_);
+  if (mem_created_) (void)d->cuMemRelease(mem_);
+  if (mc_created_) (void)d->cuMemRelease(mc_);
   if (mc_fd_ >= 0) ::close(mc_fd_);
 }
 
