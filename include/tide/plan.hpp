@@ -78,6 +78,10 @@ GroupLayout plan_group(const std::vector<Param>& params, int world_size);
 // three patterns: a partial head run, whole runs, a partial tail run.
 std::vector<Strided> slice(const Strided& p, int64_t begin, int64_t end);
 
+// Whether the patterns, in order, cover one contiguous range of elements (then a runtime
+// can read the range in place instead of gathering it).
+bool contiguous(const std::vector<Strided>& patterns);
+
 // All-gather: src_rank's shard of `param` (elements [0, numel) of its padded sharded
 // storage) lands at `dst` in that parameter's unsharded storage on every rank.
 struct AllGatherCopy {

@@ -17,20 +17,6 @@
 #include "algorithms.hpp"
 
 namespace tide::algo {
-namespace {
-
-// Whether the patterns cover one contiguous range of elements, in order.
-bool contiguous(const std::vector<plan::Strided>& pats) {
-  int64_t next = -1;
-  for (const plan::Strided& s : pats) {
-    if (s.count > 1 && s.run != s.stride) return false;
-    if (next >= 0 && s.offset != next) return false;
-    next = s.offset + s.numel();
-  }
-  return true;
-}
-
-}  // namespace
 
 StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   Transport& t = c.t;
@@ -107,7 +93,7 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
         const int64_t pos = base[p] + lo - b;  // elements into the piece
         const std::byte* grad = bytes_of(a.grads[p]);
         if (d == me) {
-          const bool direct = contiguous(pats);
+          const bool direct = plan::contiguous(pats);
           mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
           if (direct) continue;
         }

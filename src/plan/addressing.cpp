@@ -56,4 +56,14 @@ std::vector<ReduceScatterSlice> reduce_scatter_slices(const GroupLayout& layout)
   return out;
 }
 
+bool contiguous(const std::vector<Strided>& patterns) {
+  int64_t next = -1;
+  for (const Strided& s : patterns) {
+    if (s.count > 1 && s.run != s.stride) return false;
+    if (next >= 0 && s.offset != next) return false;
+    next = s.offset + s.numel();
+  }
+  return true;
+}
+
 }  // namespace tide::plan

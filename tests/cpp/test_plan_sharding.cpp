@@ -174,3 +174,14 @@ TEST(PlanAddressing, ReduceScatterSlicesCoverEachGradientOnce) {
 
 }  // namespace
 }  // namespace tide::plan
+
+TEST(PlanAddressing, ContiguousPatterns) {
+  using tide::plan::Strided;
+  using tide::plan::contiguous;
+  EXPECT_TRUE(contiguous({}));
+  EXPECT_TRUE(contiguous({Strided{3, 5, 1, 0}}));
+  EXPECT_TRUE(contiguous({Strided{0, 4, 3, 4}}));                      // runs back to back
+  EXPECT_FALSE(contiguous({Strided{0, 4, 3, 6}}));                     // gaps between runs
+  EXPECT_TRUE(contiguous({Strided{2, 2, 1, 0}, Strided{4, 3, 2, 3}})); // head + whole runs
+  EXPECT_FALSE(contiguous({Strided{2, 2, 1, 0}, Strided{5, 3, 1, 0}}));
+}

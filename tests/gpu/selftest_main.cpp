@@ -14,9 +14,10 @@ int main(int argc, char** argv) {
     std::printf("SKIP: no CUDA device\n");
     return 0;
   }
+  const bool probe_only = argc > 1 && std::string(argv[1]) == "probe";
   std::vector<int> sizes;
-  for (int i = 1; i < argc; ++i) sizes.push_back(std::atoi(argv[i]));
-  if (sizes.empty()) sizes = {1, 2, 4};
+  for (int i = 1; i < argc && !probe_only; ++i) sizes.push_back(std::atoi(argv[i]));
+  if (sizes.empty() && !probe_only) sizes = {1, 2, 4};
   int failed = 0, passed = 0;
   auto probe = tide::cudatest::run_ranks("probe", 1, none);
   std::printf("probe: %s", tide::cudatest::summary(probe).c_str());

@@ -22,19 +22,6 @@
 #include "tide/cuda/kernels.hpp"
 
 namespace tide::cuda {
-namespace {
-
-bool contiguous(const std::vector<plan::Strided>& pats) {
-  int64_t next = -1;
-  for (const plan::Strided& s : pats) {
-    if (s.count > 1 && s.run != s.stride) return false;
-    if (next >= 0 && s.offset != next) return false;
-    next = s.offset + s.numel();
-  }
-  return true;
-}
-
-}  // namespace
 
 StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cudaStream_t stream) {
   const int me = g.rank(), ws = g.world_size();
@@ -142,7 +129,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
         const int64_t pos = base[p] + lo - b;
         const auto* grad = static_cast<const std::byte*>(a.grads[p]);
         if (d == me) {
-          const bool direct = contiguous(pats);
+          const bool direct = plan::contiguous(pats);
           mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
           if (direct) continue;
         }
