@@ -12,7 +12,8 @@ backend is tide and hand everything else to the originals unchanged:
 * TIDE-RS: each parameter's unsharded gradient (bf16 or fp32) is read directly and reduced
   over ranks, in fp32 and rank order, into the flat sharded-gradient output that FSDP2
   views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
-  bounded and independent of the world size.
+  bounded and independent of the world size. With ``TIDE_SLOT_REUSE=1`` the staging goes
+  into the layer's vacated all-gather storage (Slot-Reuse).
 
 ``TIDE_FSDP=0`` switches the replacement off.
 """
@@ -148,7 +149,11 @@ def _group_state(fsdp_params, group, backend):
         homes.append(home)
     state = _GroupState(list(fsdp_params), _plan(fsdp_params, ws), shards, offsets, homes,
                         dtype, ws)
-    if not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
+    # Off by default on the host: the communicator's staging exists anyway, so reusing
+    # vacated storage saves no memory there, and returning its pages at every reshard
+    # costs page faults at every unshard (about 5% of the demo's step).
+    slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0"
+    if slot_reuse and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
         _home_unsharded_storages(state, group, backend)
     for fp in fsdp_params:
         fp._tide_state = state

@@ -50,8 +50,11 @@ def batch(step, rank):
 
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
                  reshard=True, profile=False, hsdp=False, divide_factor=None,
-                 explicit_unshard=False):
+                 explicit_unshard=False, slot_reuse=False):
     """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params."""
+    import os
+
+    os.environ["TIDE_SLOT_REUSE"] = "1" if slot_reuse else "0"
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -174,7 +177,8 @@ def test_shard_dim1_accumulation_and_no_reshard(ws):
     dict(reshard=2, divide_factor=8.0),            # post-forward mesh of 2: stock AG fallback
     dict(hsdp=True, bf16=True),                    # 2 x 2 mesh: zero-copy AG, stock RS + AR
     dict(explicit_unshard=True, divide_factor=3.0),
-], ids=["reshard-int+divide-factor", "hsdp-bf16", "explicit-unshard"])
+    dict(slot_reuse=True, accumulate=True, bf16=True),  # storages homed in shared memory
+], ids=["reshard-int+divide-factor", "hsdp-bf16", "explicit-unshard", "slot-reuse"])
 def test_more_fsdp2_features_match_stock(opts):
     zc = run_ranks(train_worker, 4, True, kwargs=opts)
     stock = run_ranks(train_worker, 4, False, kwargs=opts)
@@ -192,7 +196,10 @@ def test_no_layout_copies_in_a_tide_step():
 
 
 def staging_worker(rank, ws, per_rank_rows):
-    """A group whose per-rank output is fixed: rows = per_rank_rows * ws."""
+    """A group whose per-rank output is fixed: rows = per_rank_rows * ws; Slot-Reuse on."""
+    import os
+
+    os.environ["TIDE_SLOT_REUSE"] = "1"
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
