@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,11 @@ import torch.distributed as dist
 from . import _C
 
 _SEAMS = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+# Conversions the host transport does while copying / reducing (src/core/convert.hpp).
+_HALF = (torch.bfloat16, torch.float16)
+# How often each path ran in this process (tests check that the zero-copy path did run).
+stats = {"zero_copy_all_gather": 0, "zero_copy_reduce_scatter": 0,
+         "stock_all_gather": 0, "stock_reduce_scatter": 0}
 _originals: dict = {}
 _MIN_TORCH = (2, 11)
 _ALIGN = 64  # byte alignment of each shard inside the symmetric buffer
@@ -79,27 +85,36 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
             return "a tensor subclass with fsdp_pre_all_gather"
         if type(fp._sharded_param_data) is not torch.Tensor or fp.offload_to_cpu:
             return "CPU offload or a tensor subclass"
+        param_dtype = fp.param_dtype or fp.orig_dtype
+        if param_dtype != fp.orig_dtype and not (fp.orig_dtype == torch.float32
+                                                 and param_dtype in _HALF):
+            return f"casting {fp.orig_dtype} parameters to {param_dtype}"
     return None
 
 
 # ---- per param-group state: the planner's layout and the symmetric shard home --------------
 @dataclass
 class _GroupState:
-    params: list  # the group's FSDPParams, in order
+    param_refs: list  # weak references to the group's FSDPParams, in order (no cycle)
     layout: object  # tide._C.plan.GroupLayout
     shards: object  # tide._C.SymmetricMemory
     offsets: list  # bytes, per parameter
-    homes: list  # tensors over this rank's part of `shards`, one per parameter
+    home_ptrs: list  # where each parameter's sharded storage lives in `shards`
     dtype: torch.dtype
     world_size: int
     # The unsharded storages (FSDPParam.all_gather_outputs) in symmetric memory too, so
     # that once vacated they can hold reduce-scatter staging (Slot-Reuse); None when
     # FSDP2 had already allocated them before the group's first tide all-gather.
+    capacity: int = 0  # bytes of this rank's part of `shards`
     storage: object = None
     storage_regions: list = None  # (offset, bytes) per parameter, page-aligned
 
 
 _PAGE = 4096
+
+
+def _params(state):
+    return [ref() for ref in state.param_refs]
 
 
 def _plan(fsdp_params, world_size):
@@ -110,45 +125,48 @@ def _plan(fsdp_params, world_size):
     return _C.plan.plan_group(params, world_size)
 
 
-def _rebind(fp, home):
-    """Points the FSDPParam's sharded storage and the DTensor's local tensor at `home`,
-    keeping sizes and strides: the optimizer and state_dict see the same parameter."""
-    with torch.no_grad():
-        local = fp._sharded_local_tensor
-        local.set_(home.untyped_storage(), 0, local.size(), local.stride())
-        fp._sharded_param_data = home
+def _sharded_storage(fp):
+    return fp._sharded_param_data.untyped_storage()
+
+
+def _state_still_fits(state, fsdp_params, ws):
+    """The group's shards keep their homes unless a parameter changed dtype or size
+    (model.half(), load_state_dict(assign=True) with other tensors): then a new state."""
+    if state.world_size != ws or len(state.param_refs) != len(fsdp_params):
+        return False
+    room = [b - a for a, b in zip(state.offsets, state.offsets[1:] + [state.capacity])]
+    return all(fp.orig_dtype == state.dtype and _sharded_storage(fp).nbytes() <= r
+               for fp, r in zip(fsdp_params, room))
 
 
 def _group_state(fsdp_params, group, backend):
     """Created at the group's first all-gather (a collective point on every rank)."""
-    fp0 = fsdp_params[0]
-    state = getattr(fp0, "_tide_state", None)
+    state = getattr(fsdp_params[0], "_tide_state", None)
     ws = group.size()
-    if state is not None and state.world_size == ws:
-        # Re-home shards whose storage was replaced (load_state_dict(assign=True), _apply).
-        for fp, home in zip(fsdp_params, state.homes):
-            if fp._sharded_param_data.data_ptr() != home.data_ptr():
-                home.copy_(fp._sharded_param_data.view(-1))
-                _rebind(fp, home)
+    if state is not None and _state_still_fits(state, fsdp_params, ws):
+        # A storage replaced since (load_state_dict(assign=True), _apply) moves in too.
+        for i, fp in enumerate(fsdp_params):
+            if _sharded_storage(fp).data_ptr() != state.home_ptrs[i]:
+                _C.move_storage(fp._sharded_param_data, state.shards, group.rank(),
+                                state.offsets[i])
         return state
     dtypes = {fp.orig_dtype for fp in fsdp_params}
-    if len(dtypes) != 1:
+    if len(dtypes) != 1 or any(fp._sharded_param_data.storage_offset() != 0
+                               for fp in fsdp_params):
         return None
     dtype = dtypes.pop()
     offsets, total = [], 0
     for fp in fsdp_params:
         offsets.append(total)
-        nbytes = fp._sharded_param_data.numel() * dtype.itemsize
-        total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        total += (_sharded_storage(fp).nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
     shards = backend.allocate_symmetric(total)
-    homes = []
     for fp, off in zip(fsdp_params, offsets):
-        home = shards.tensor(group.rank(), off, fp._sharded_param_data.numel(), dtype)
-        home.copy_(fp._sharded_param_data.view(-1))
-        _rebind(fp, home)
-        homes.append(home)
-    state = _GroupState(list(fsdp_params), _plan(fsdp_params, ws), shards, offsets, homes,
-                        dtype, ws)
+        # The storage itself moves: every tensor sharing it (the DTensor's local tensor, a
+        # state_dict taken before training) keeps seeing the live parameter.
+        _C.move_storage(fp._sharded_param_data, shards, group.rank(), off)
+    home_ptrs = [_sharded_storage(fp).data_ptr() for fp in fsdp_params]
+    state = _GroupState([weakref.ref(fp) for fp in fsdp_params], _plan(fsdp_params, ws),
+                        shards, offsets, home_ptrs, dtype, ws, capacity=total)
     # Off by default on the host: the communicator's staging exists anyway, so reusing
     # vacated storage saves no memory there, and returning its pages at every reshard
     # costs page faults at every unshard (about 5% of the demo's step).
@@ -167,13 +185,13 @@ def _home_unsharded_storages(state, group, backend):
     FSDP2 then allocates nothing (the storage already has its size) and frees it through
     _free_unsharded_param below, which returns the pages instead of resizing to 0."""
     regions, total = [], 0
-    for fp, lp in zip(state.params, state.layout.params):
+    for fp, lp in zip(_params(state), state.layout.params):
         nbytes = lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
         regions.append((total, nbytes))
         total += (nbytes + _PAGE - 1) // _PAGE * _PAGE
     state.storage = backend.allocate_symmetric(total)
     state.storage_regions = regions
-    for fp, lp, (off, nbytes) in zip(state.params, state.layout.params, regions):
+    for fp, lp, (off, nbytes) in zip(_params(state), state.layout.params, regions):
         dtype = fp.param_dtype or fp.orig_dtype
         fp.all_gather_outputs = [state.storage.tensor(group.rank(), off, lp.storage_numel, dtype)]
         fp._tide_storage_region = (off, nbytes)
@@ -205,6 +223,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
     if state is None:
         if backend is not None:
             _fallback("all-gather", why or "parameters of mixed dtypes in one group")
+        stats["stock_all_gather"] += 1
         return _originals["foreach_all_gather"](
             fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream,
             device, all_gather_comm)
@@ -223,6 +242,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
     work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
                                     storages)
     _debug(f"all-gather: zero-copy, {len(fsdp_params)} params into their own storage")
+    stats["zero_copy_all_gather"] += 1
     if not async_op:
         work.wait()
         work = None
@@ -268,7 +288,8 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
     elif predivide is not None:
         why = "pre-division for fp16 overflow safety"
-    elif reduce_dtype not in (torch.float32, grad_dtype):
+    elif not (reduce_dtype == grad_dtype
+              or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
         why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
     elif len({g.dtype for g in unsharded_grads}) != 1 or any(
             fp.offload_to_cpu for fp in fsdp_params):
@@ -276,13 +297,14 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     if why is not None:
         if backend is not None and why != "world size 1":
             _fallback("reduce-scatter", why)
+        stats["stock_reduce_scatter"] += 1
         return _originals["foreach_reduce"](*args)
 
     ws = reduce_scatter_group.size()
     state = getattr(fsdp_params[0], "_tide_state", None)
     whole_group = (state is not None and state.world_size == ws
-                   and len(state.params) == len(fsdp_params)
-                   and all(a is b for a, b in zip(state.params, fsdp_params)))
+                   and len(state.param_refs) == len(fsdp_params)
+                   and all(a is b for a, b in zip(_params(state), fsdp_params)))
     # fsdp_params are the group's parameters that have gradients: often all of them.
     layout = state.layout if whole_group else _plan(fsdp_params, ws)
     padded = [lp.padded_shard_numel for lp in layout.params]
@@ -299,6 +321,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     _debug(f"reduce-scatter: zero-copy, {len(fsdp_params)} params, staging "
            f"{report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
            f"all-gather storage)")
+    stats["zero_copy_reduce_scatter"] += 1
     del grads
     unsharded_grads.clear()  # autograd's gradients can go now
 
@@ -329,7 +352,7 @@ def _vacated_storage(state):
 
     if state is None or state.storage is None:
         return None, []
-    if any(fp.sharded_state != ShardedState.SHARDED for fp in state.params):
+    if any(fp is None or fp.sharded_state != ShardedState.SHARDED for fp in _params(state)):
         return None, []
     return state.storage, list(state.storage_regions)
 

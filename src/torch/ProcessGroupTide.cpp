@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/utils/pybind.h>
 
 #include "tide/error.hpp"
 
@@ -136,12 +137,13 @@ WorkTide::WorkTide(c10d::OpType op, const char* profiling_title, std::vector<at:
           c10::ListType::create(c10::TensorType::get()))) {}
 
 void WorkTide::complete(std::exception_ptr eptr) {
-  finish(eptr);
+  // The future first, as gloo does: whoever wakes from wait() may read its value at once.
   if (eptr) {
     future_->setError(eptr);
   } else {
     future_->markCompleted(c10::IValue(outputs_));
   }
+  finish(eptr);
 }
 
 // ---- ProcessGroupTide -----------------------------------------------------------------------
@@ -161,7 +163,14 @@ ProcessGroupTide::~ProcessGroupTide() {
     stop_ = true;
   }
   cv_.notify_all();
-  worker_.join();  // finishes what was queued, as gloo's destructor does
+  // Finishes what was queued, as gloo's destructor does. Future callbacks may need the GIL
+  // on the worker, so do not hold it while waiting.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release no_gil;
+    worker_.join();
+  } else {
+    worker_.join();
+  }
 }
 
 void ProcessGroupTide::worker_loop() {

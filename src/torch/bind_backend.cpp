@@ -1,5 +1,7 @@
 // Python bindings of ProcessGroupTide. python/tide/_backend.py registers it with
 // torch.distributed as the "tide" backend; python/tide/fsdp.py uses the param_* methods.
+#include <cstring>
+
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -23,6 +25,25 @@ at::Tensor symmetric_tensor(const std::shared_ptr<SymmetricBuffer>& buf, int ran
       buf->peer(rank) + offset, {numel}, [keep](void*) mutable { keep.reset(); },
       at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
+// Moves a CPU tensor's whole storage into this rank's part of `buf` at `offset`: the bytes
+// are copied and the storage's data pointer swapped, so every tensor sharing the storage
+// (FSDP2's padded shard, the DTensor's local tensor, detached copies a state_dict holds)
+// follows, and the old memory is freed.
+void move_storage(const at::Tensor& t, const std::shared_ptr<SymmetricBuffer>& buf, int rank,
+                  size_t offset) {
+  TORCH_CHECK(t.device().is_cpu(), "tide: move_storage takes CPU tensors, got ", t.device());
+  c10::Storage storage = t.storage();
+  const size_t nbytes = storage.nbytes();
+  TORCH_CHECK(offset + nbytes <= buf->bytes(rank), "tide: a storage of ", nbytes,
+              " bytes at offset ", offset, " does not fit this rank's ", buf->bytes(rank),
+              " bytes of symmetric memory");
+  std::byte* dst = buf->peer(rank) + offset;
+  if (nbytes) std::memcpy(dst, storage.data(), nbytes);
+  auto* keep = new std::shared_ptr<SymmetricBuffer>(buf);
+  storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(
+      dst, keep, [](void* ctx) { delete static_cast<std::shared_ptr<SymmetricBuffer>*>(ctx); },
+      c10::Device(c10::kCPU)));
+}
 }  // namespace
 
 void bind_backend(pybind11::module_& m) {
@@ -39,6 +60,9 @@ void bind_backend(pybind11::module_& m) {
       .def("release", &SymmetricBuffer::release, py::arg("offset"), py::arg("bytes"),
            "Returns the pages of a range of this rank's part to the OS (reads as zeros after).")
       .def("nbytes", &SymmetricBuffer::bytes, py::arg("rank"));
+
+  m.def("move_storage", &move_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
+        py::arg("offset"));
 
   py::class_<StagingReport>(m, "StagingReport")
       .def_readonly("slot_bytes", &StagingReport::slot_bytes)

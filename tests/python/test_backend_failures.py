@@ -126,24 +126,34 @@ def fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
+def tide_mappings():
+    """Shared-memory mappings of tide segments (unlinked names stay listed as deleted)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/dev/shm/tide" in line)
+
+
 def lifecycle_worker(rank, ws, mode):
-    fds_before = fd_count()
+    fds_before, maps_before = fd_count(), tide_mappings()
     group = dist.new_group(backend="tide")
     t = torch.randn(1 << 20)
     dist.all_reduce(t, group=group)
+    maps_during = tide_mappings()
     if mode == "exception":
         assert expect_error(lambda: dist.all_reduce(t, op=dist.ReduceOp.BAND, group=group))
     dist.destroy_process_group(group)
+    del group
     import gc
 
     gc.collect()
-    return fds_before, fd_count()
+    return fds_before, fd_count(), maps_before, tide_mappings(), maps_during
 
 
 @pytest.mark.parametrize("mode", ["clean", "exception"])
 def test_no_leaks_after_group_destruction(mode):
     before = tide_shm_entries()
     results = run_ranks(lifecycle_worker, 2, mode, pg_timeout_s=PG_TIMEOUT_S)
-    for rank, (fds_before, fds_after) in enumerate(results):
+    for rank, (fds_before, fds_after, maps_before, maps_after, maps_during) in enumerate(results):
         assert fds_after <= fds_before, f"rank {rank}: {fds_before} fds before, {fds_after} after"
+        assert maps_during > maps_before, "the check must see the group's own mappings"
+        assert maps_after == maps_before, f"rank {rank}: {maps_after - maps_before} mappings left"
     assert tide_shm_entries() == before

@@ -81,6 +81,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     if divide_factor is not None:
         model.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    early_state = model.state_dict()  # taken before training: must follow the parameters
     losses, names = [], set()
     for step in range(STEPS):
         micro = 2 if accumulate else 1
@@ -101,9 +102,12 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    early = {n: t.full_tensor() for n, t in early_state.items()}
+    stale = [n for n in params if not torch.equal(early[n], params[n])]
     staging = dist.group.WORLD._get_backend(torch.device("cpu"))
     report = staging.last_staging_report() if zero_copy and hasattr(staging, "last_staging_report") else None
-    return dict(losses=losses, params=params, names=names,
+    return dict(losses=losses, params=params, names=names, stats=dict(tide.fsdp.stats),
+                stale_state_dict=stale,
                 staging=(report.slot_bytes * report.num_slots, report.reused_slots) if report else None)
 
 
@@ -121,6 +125,15 @@ def reference_worker(rank, _ws, ws):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def assert_zero_copy_ran(result, all_gather=True, reduce_scatter=True):
+    """Parity with stock proves nothing if tide silently fell back to stock."""
+    stats = result["stats"]
+    if all_gather:
+        assert stats["zero_copy_all_gather"] > 0, stats
+    if reduce_scatter:
+        assert stats["zero_copy_reduce_scatter"] > 0, stats
+
+
 def assert_params_equal(a, b, what, atol=0.0):
     assert a.keys() == b.keys()
     for n in a:
@@ -136,6 +149,9 @@ def test_fp32_zero_copy_is_bitwise_equal_to_stock_fsdp2_on_tide(ws):
     """Same reductions in the same order: the zero-copy path must give the same bits."""
     zc = run_ranks(train_worker, ws, True)
     stock = run_ranks(train_worker, ws, False)
+    assert_zero_copy_ran(zc[0])
+    assert stock[0]["stats"]["zero_copy_all_gather"] == 0
+    assert not zc[0]["stale_state_dict"], "a state_dict taken before training went stale"
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"ws={ws} zero-copy vs stock on tide")
     assert zc[0]["losses"] == stock[0]["losses"]
 
@@ -159,6 +175,7 @@ def test_bf16_mixed_precision_matches_reference():
     process: bf16 rounding of params and activations bounds the difference (stated 1e-2
     after 3 SGD steps at lr 0.5)."""
     zc = run_ranks(train_worker, 2, True, True)
+    assert_zero_copy_ran(zc[0])
     ref = run_ranks(reference_worker, 1, 2, backend=None)[0]
     assert_params_equal(zc[0]["params"], ref, "bf16 tide vs fp32 reference", atol=1e-2)
     stock = run_ranks(train_worker, 2, False, True)  # stock FSDP2 code path over tide
@@ -170,18 +187,30 @@ def test_shard_dim1_accumulation_and_no_reshard(ws):
     opts = dict(shard1=True, accumulate=True, reshard=False)
     zc = run_ranks(train_worker, ws, True, kwargs=opts)
     stock = run_ranks(train_worker, ws, False, kwargs=opts)
+    assert_zero_copy_ran(zc[0])
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"Shard(1)+accumulation ws={ws}")
 
 
-@pytest.mark.parametrize("opts", [
-    dict(reshard=2, divide_factor=8.0),            # post-forward mesh of 2: stock AG fallback
-    dict(hsdp=True, bf16=True),                    # 2 x 2 mesh: zero-copy AG, stock RS + AR
-    dict(explicit_unshard=True, divide_factor=3.0),
-    dict(slot_reuse=True, accumulate=True, bf16=True),  # storages homed in shared memory
+@pytest.mark.parametrize("opts, stock_paths", [
+    # post-forward mesh of 2: backward's all-gathers come from it, stock path
+    (dict(reshard=2, divide_factor=8.0), {"stock_all_gather"}),
+    # 2 x 2 mesh: zero-copy all-gather, stock reduce-scatter + replicate all-reduce
+    (dict(hsdp=True, bf16=True), {"stock_reduce_scatter"}),
+    (dict(explicit_unshard=True, divide_factor=3.0), set()),
+    # storages homed in shared memory; 4 KiB slots so the tiny layers do reuse them
+    (dict(slot_reuse=True, accumulate=True, bf16=True), set()),
 ], ids=["reshard-int+divide-factor", "hsdp-bf16", "explicit-unshard", "slot-reuse"])
-def test_more_fsdp2_features_match_stock(opts):
+def test_more_fsdp2_features_match_stock(opts, stock_paths, monkeypatch):
+    if opts.get("slot_reuse"):
+        monkeypatch.setenv("TIDE_SHM_SLOT_BYTES", "4096")
     zc = run_ranks(train_worker, 4, True, kwargs=opts)
     stock = run_ranks(train_worker, 4, False, kwargs=opts)
+    stats = zc[0]["stats"]
+    for path in stock_paths:
+        assert stats[path] > 0, f"expected a stock {path} fallback: {stats}"
+    assert_zero_copy_ran(zc[0], reduce_scatter="stock_reduce_scatter" not in stock_paths)
+    if opts.get("slot_reuse"):
+        assert zc[0]["staging"][1] > 0, f"no slot was reused: {zc[0]['staging']}"
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"{opts}")
 
 
