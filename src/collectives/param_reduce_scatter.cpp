@@ -25,12 +25,6 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   const size_t np = layout.params.size();
   const size_t ges = dtype_size(a.grad_dtype), oes = dtype_size(a.out_dtype);
 
-  std::vector<int64_t> base(np);
-  int64_t total = 0;
-  for (size_t p = 0; p < np; ++p) {
-    base[p] = total;
-    total += layout.params[p].padded_shard_numel;
-  }
   // Padding of my shards: zero (what FSDP2's reduce of zero-padded inputs gives).
   for (size_t p = 0; p < np; ++p) {
     const plan::ParamLayout& pl = layout.params[p];
@@ -43,10 +37,12 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   StagingReport report;
   report.slot_bytes = t.slot_bytes();
   const size_t piece = c.piece_bytes();
-  const int64_t window = static_cast<int64_t>(piece / ges);
-  const int64_t steps = total == 0 ? 0 : (total + window - 1) / window;
   const int n_slots = t.num_slots();
-  report.num_slots = static_cast<int>(std::min<int64_t>(n_slots, steps));
+  // The planner cuts the flat padded-shard space into windows of one piece per
+  // destination and lists, per window, every gradient slice and where it is staged.
+  const plan::RsPipeline pipe = plan::rs_pipeline(
+      layout, {static_cast<int64_t>(piece), n_slots, static_cast<int64_t>(ges)});
+  report.num_slots = pipe.num_slots;
 
   // Slot homes, by slot index (step % n_slots): every rank computes the same ones.
   std::vector<int64_t> reuse_off(n_slots, -1);
@@ -77,42 +73,38 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
     const void* in_place;  // my own contribution, or null: staged in my piece
   };
   std::vector<Mine> mine;
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t b = s * window, e = std::min(total, b + window);
+  for (const plan::RsChunk& chunk : pipe.chunks) {
     const int idx = c.begin_step();
     std::byte* my_slot = slot_of(me, idx);
     // Phase 1.
     ops.clear();
     mine.clear();
-    for (int d = 0; d < ws; ++d) {
-      for (size_t p = 0; p < np; ++p) {
-        const plan::Shard& sh = layout.params[p].shards[d];
-        const int64_t lo = std::max<int64_t>(b - base[p], 0), hi = std::min<int64_t>(e - base[p], sh.numel);
-        if (lo >= hi) continue;
-        std::vector<plan::Strided> pats = plan::slice(sh.placement, lo, hi);
-        const int64_t pos = base[p] + lo - b;  // elements into the piece
-        const std::byte* grad = bytes_of(a.grads[p]);
-        if (d == me) {
-          const bool direct = plan::contiguous(pats);
-          mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
-          if (direct) continue;
+    for (const plan::RsPiece& pc : chunk.pieces) {
+      const size_t p = static_cast<size_t>(pc.param);
+      const int d = pc.dst_rank;
+      const int64_t lo = pc.shard_begin, hi = pc.shard_end, pos = pc.staging_offset;
+      const std::vector<plan::Strided>& pats = pc.grad;
+      const std::byte* grad = bytes_of(a.grads[p]);
+      if (d == me) {
+        const bool direct = plan::contiguous(pats);
+        mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
+        if (direct) continue;
+      }
+      std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
+      for (const plan::Strided& pat : pats) {
+        StridedCopy op;
+        op.dst = dst;
+        op.src = grad + static_cast<size_t>(pat.offset) * ges;
+        op.run = static_cast<size_t>(pat.run);
+        op.count = static_cast<size_t>(pat.count);
+        op.dst_stride = op.run;
+        op.src_stride = static_cast<size_t>(pat.stride);
+        if (op.count == 1 || pat.run == pat.stride) {
+          op.run *= op.count;
+          op.count = 1;
         }
-        std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
-        for (const plan::Strided& pat : pats) {
-          StridedCopy op;
-          op.dst = dst;
-          op.src = grad + static_cast<size_t>(pat.offset) * ges;
-          op.run = static_cast<size_t>(pat.run);
-          op.count = static_cast<size_t>(pat.count);
-          op.dst_stride = op.run;
-          op.src_stride = static_cast<size_t>(pat.stride);
-          if (op.count == 1 || pat.run == pat.stride) {
-            op.run *= op.count;
-            op.count = 1;
-          }
-          ops.push_back(op);
-          dst += static_cast<size_t>(pat.numel()) * ges;
-        }
+        ops.push_back(op);
+        dst += static_cast<size_t>(pat.numel()) * ges;
       }
     }
     t.convert(ops, a.grad_dtype, a.grad_dtype);

@@ -51,20 +51,16 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
              ": Slot-Reuse memory must be CUDA symmetric memory");
 
   const size_t ges = dtype_size(a.grad_dtype);
-  std::vector<int64_t> base(np);
-  int64_t total = 0;
-  for (size_t p = 0; p < np; ++p) {
-    base[p] = total;
-    total += layout.params[p].padded_shard_numel;
-  }
   const size_t piece = g.piece_bytes();
-  const int64_t window = static_cast<int64_t>(piece / ges);
-  const int64_t steps = total == 0 ? 0 : (total + window - 1) / window;
   const int n_slots = g.num_slots();
+  // The planner's windows of one piece per destination, with every slice and its staging.
+  const plan::RsPipeline pipe = plan::rs_pipeline(
+      layout, {static_cast<int64_t>(piece), n_slots, static_cast<int64_t>(ges)});
+  const int64_t steps = static_cast<int64_t>(pipe.chunks.size());
 
   StagingReport report;
   report.slot_bytes = g.slot_bytes();
-  report.num_slots = static_cast<int>(std::min<int64_t>(n_slots, steps));
+  report.num_slots = pipe.num_slots;
 
   const uint32_t first = g.current(CudaGroup::kRsReady) + 1;  // step id of window 0
   std::vector<int64_t> reuse_off(n_slots, -1);
@@ -107,8 +103,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   std::vector<Mine> mine;
   AccumulateSources srcs{};
   uint32_t t = 0;
-  for (int64_t w = 0; w < steps; ++w) {
-    const int64_t b = w * window, e = std::min(total, b + window);
+  for (const plan::RsChunk& chunk : pipe.chunks) {
     t = g.next(CudaGroup::kRsReady);
     (void)g.next(CudaGroup::kRsDone);
     const int idx = static_cast<int>(t % static_cast<uint32_t>(n_slots));
@@ -119,30 +114,27 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
     // Phase 1: my slices for every destination into piece d of my slot.
     mine.clear();
     detail::CopyBatch batch(cs, g.device());
-    for (int d = 0; d < ws; ++d) {
-      for (size_t p = 0; p < np; ++p) {
-        const plan::Shard& sh = layout.params[p].shards[d];
-        const int64_t lo = std::max<int64_t>(b - base[p], 0), hi = std::min<int64_t>(e - base[p], sh.numel);
-        if (lo >= hi) continue;
-        TIDE_CHECK(a.grads[p], "tide: cuda: param_reduce_scatter on rank ", me, ": param ", p, " has no gradient");
-        std::vector<plan::Strided> pats = plan::slice(sh.placement, lo, hi);
-        const int64_t pos = base[p] + lo - b;
-        const auto* grad = static_cast<const std::byte*>(a.grads[p]);
-        if (d == me) {
-          const bool direct = plan::contiguous(pats);
-          mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
-          if (direct) continue;
-        }
-        std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
-        for (const plan::Strided& pat : pats) {
-          const size_t run = static_cast<size_t>(pat.run) * ges;
-          const auto* src = grad + static_cast<size_t>(pat.offset) * ges;
-          if (pat.count == 1 || pat.run == pat.stride)
-            batch.add(dst, src, run * static_cast<size_t>(pat.count));
-          else
-            batch.add(dst, run, src, static_cast<size_t>(pat.stride) * ges, run, static_cast<size_t>(pat.count));
-          dst += static_cast<size_t>(pat.numel()) * ges;
-        }
+    for (const plan::RsPiece& pc : chunk.pieces) {
+      const size_t p = static_cast<size_t>(pc.param);
+      const int d = pc.dst_rank;
+      const int64_t lo = pc.shard_begin, hi = pc.shard_end, pos = pc.staging_offset;
+      const std::vector<plan::Strided>& pats = pc.grad;
+      TIDE_CHECK(a.grads[p], "tide: cuda: param_reduce_scatter on rank ", me, ": param ", p, " has no gradient");
+      const auto* grad = static_cast<const std::byte*>(a.grads[p]);
+      if (d == me) {
+        const bool direct = plan::contiguous(pats);
+        mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
+        if (direct) continue;
+      }
+      std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
+      for (const plan::Strided& pat : pats) {
+        const size_t run = static_cast<size_t>(pat.run) * ges;
+        const auto* src = grad + static_cast<size_t>(pat.offset) * ges;
+        if (pat.count == 1 || pat.run == pat.stride)
+          batch.add(dst, src, run * static_cast<size_t>(pat.count));
+        else
+          batch.add(dst, run, src, static_cast<size_t>(pat.stride) * ges, run, static_cast<size_t>(pat.count));
+        dst += static_cast<size_t>(pat.numel()) * ges;
       }
     }
     batch.flush();
