@@ -211,10 +211,6 @@ def _free_unsharded_param(self):
 
 
 # ---- TIDE-AG ----------------------------------------------------------------------------------
-class _ZeroCopyMarker:
-    """Stands in for FSDP2's flat all-gather output: there is none."""
-
-
 def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
                        all_gather_stream, device, all_gather_comm):
     backend = _tide_backend(group, device)

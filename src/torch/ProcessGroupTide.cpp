@@ -149,7 +149,7 @@ void WorkTide::complete(std::exception_ptr eptr) {
 // ---- ProcessGroupTide -----------------------------------------------------------------------
 ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                    std::chrono::milliseconds timeout, const std::string& group_name)
-    : c10d::Backend(rank, size), timeout_(timeout) {
+    : c10d::Backend(rank, size) {
   C10dStore tide_store(store);
   CommOptions options;
   options.timeout = timeout;

@@ -37,7 +37,8 @@ class ProcessGroupTide : public c10d::Backend {
   ~ProcessGroupTide() override;
 
   const std::string getBackendName() const override { return "tide"; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // The host communicator keeps the timeout it was created with (docs/status.md).
+  void setTimeout(std::chrono::milliseconds) override {}
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -126,7 +127,6 @@ class ProcessGroupTide : public c10d::Backend {
   std::unique_ptr<tide::Comm> comm_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
   tide::StagingReport last_staging_;
-  std::chrono::milliseconds timeout_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::pair<c10::intrusive_ptr<WorkTide>, std::function<void()>>> queue_;
