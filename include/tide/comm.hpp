@@ -45,6 +45,8 @@ class SymmetricBuffer {
   // range stays mapped and reads as zeros until written again (FSDP2's "free the unsharded
   // storage" without giving up the symmetric address).
   virtual void release(size_t offset, size_t bytes) = 0;
+  // Where the memory is: -1 for host memory, else the CUDA device ordinal.
+  virtual int device() const { return -1; }
 };
 
 // TIDE-AG: every rank's shard of every parameter of an FSDP2 group lands at the planner's

@@ -13,7 +13,13 @@ backend is tide and hand everything else to the originals unchanged:
   over ranks, in fp32 and rank order, into the flat sharded-gradient output that FSDP2
   views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
   bounded and independent of the world size. With ``TIDE_SLOT_REUSE=1`` the staging goes
-  into the layer's vacated all-gather storage (Slot-Reuse).
+  into the layer's vacated all-gather storage (Slot-Reuse; host only so far).
+
+On CUDA tensors (a tide build with CUDA) the same two paths run on the GPUs of the node
+(src/torch/cuda, src/transport/cuda): the shards live in CUDA symmetric memory, copy
+engines move them into the unsharded storages, and the reduce-scatter stages slices with
+copy engines and accumulates them with a few short-lived CTAs. Everything is ordered on
+FSDP2's own streams with events, as its stock path is; nothing waits on the host.
 
 ``TIDE_FSDP=0`` switches the replacement off.
 """
@@ -37,7 +43,7 @@ stats = {"zero_copy_all_gather": 0, "zero_copy_reduce_scatter": 0,
          "stock_all_gather": 0, "stock_reduce_scatter": 0}
 _originals: dict = {}
 _MIN_TORCH = (2, 11)
-_ALIGN = 64  # byte alignment of each shard inside the symmetric buffer
+_ALIGN = 256  # byte alignment of each shard in symmetric memory (16-byte vector loads, cudaMalloc's)
 
 
 def _debug(msg: str) -> None:
@@ -58,13 +64,23 @@ def _fallback(what: str, why: str) -> None:
 
 # ---- when TIDE's path applies ---------------------------------------------------------------
 def _tide_backend(group, device):
-    if group is None or device.type != "cpu":
+    """The group's ProcessGroupTide where TIDE's path can serve `device`, else None."""
+    if group is None or device.type not in ("cpu", "cuda"):
         return None
+    if device.type == "cuda" and not _C.has_cuda:
+        return None  # a tide built without CUDA: FSDP2's stock path over the NCCL delegate
     try:
         backend = group._get_backend(device)
     except (RuntimeError, ValueError):
         return None
     return backend if isinstance(backend, _C.ProcessGroupTide) else None
+
+
+def _device_index(device) -> int:
+    """-1 for host shared memory, else the CUDA device the symmetric memory goes on."""
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
@@ -73,7 +89,7 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
     if backend is None:
-        return "not a tide CPU group"
+        return "not a tide group (or CUDA tensors with a tide built without CUDA)"
     if not isinstance(all_gather_comm, DefaultAllGather):
         return "a custom all-gather (set_custom_all_gather) is installed"
     if compiled_autograd_enabled():
@@ -139,7 +155,7 @@ def _state_still_fits(state, fsdp_params, ws):
                for fp, r in zip(fsdp_params, room))
 
 
-def _group_state(fsdp_params, group, backend):
+def _group_state(fsdp_params, group, backend, device):
     """Created at the group's first all-gather (a collective point on every rank)."""
     state = getattr(fsdp_params[0], "_tide_state", None)
     ws = group.size()
@@ -159,7 +175,7 @@ def _group_state(fsdp_params, group, backend):
     for fp in fsdp_params:
         offsets.append(total)
         total += (_sharded_storage(fp).nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
-    shards = backend.allocate_symmetric(total)
+    shards = backend.allocate_symmetric(total, _device_index(device))
     for fp, off in zip(fsdp_params, offsets):
         # The storage itself moves: every tensor sharing it (the DTensor's local tensor, a
         # state_dict taken before training) keeps seeing the live parameter.
@@ -170,13 +186,16 @@ def _group_state(fsdp_params, group, backend):
     # Off by default on the host: the communicator's staging exists anyway, so reusing
     # vacated storage saves no memory there, and returning its pages at every reshard
     # costs page faults at every unshard (about 5% of the demo's step).
-    slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0"
+    # On CUDA the unsharded storages stay FSDP2's (caching allocator, freed at reshard):
+    # keeping them in symmetric device memory would hold every layer's parameters unsharded
+    # (a pool that maps and unmaps physical memory is the missing piece, docs/status.md).
+    slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0" and device.type == "cpu"
     if slot_reuse and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
         _home_unsharded_storages(state, group, backend)
     for fp in fsdp_params:
         fp._tide_state = state
-    _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory "
-           f"({total} bytes per rank)")
+    _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory on "
+           f"{shards.device} ({total} bytes per rank)")
     return state
 
 
@@ -199,9 +218,15 @@ def _home_unsharded_storages(state, group, backend):
 
 
 def _free_unsharded_param(self):
-    """FSDPParam.free_unsharded_param for storages homed in symmetric memory."""
+    """FSDPParam.free_unsharded_param for storages homed in symmetric memory, and for CUDA
+    storages TIDE-AG allocated on the all-gather stream: the caching allocator must not hand
+    them out there again before the compute that read them on the current stream is done."""
     region = getattr(self, "_tide_storage_region", None)
     if region is None or not self.all_gather_outputs:
+        if getattr(self, "_tide_ag_stream_storage", False):
+            for tensor in self.all_gather_outputs:
+                if tensor.is_cuda and tensor.untyped_storage().nbytes() > 0:
+                    tensor.record_stream(torch.cuda.current_stream(tensor.device))
         return _originals["free_unsharded_param"](self)
     from torch.distributed.fsdp._fully_shard._fsdp_param import free_storage
 
@@ -215,7 +240,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
                        all_gather_stream, device, all_gather_comm):
     backend = _tide_backend(group, device)
     why = _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend)
-    state = _group_state(fsdp_params, group, backend) if why is None else None
+    state = _group_state(fsdp_params, group, backend, device) if why is None else None
     if state is None:
         if backend is not None:
             _fallback("all-gather", why or "parameters of mixed dtypes in one group")
@@ -226,31 +251,54 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
     ws = group.size()
-    storages, dtypes, numels = [], [], []
-    for fp in fsdp_params:
-        dtype = fp.param_dtype or fp.orig_dtype
-        numel = fp._sharded_param_data.numel()
-        fp.init_all_gather_outputs([numel], [dtype], ws, device)
-        fp.alloc_all_gather_outputs()
-        storages.append(fp.all_gather_outputs[0])
-        dtypes.append([dtype])
-        numels.append([numel])
-    work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
-                                    storages)
-    _debug(f"all-gather: zero-copy, {len(fsdp_params)} params into their own storage")
+    dtypes = [[fp.param_dtype or fp.orig_dtype] for fp in fsdp_params]
+    numels = [[fp._sharded_param_data.numel()] for fp in fsdp_params]
+
+    def alloc_storages():
+        storages = []
+        for fp, dtype, numel in zip(fsdp_params, dtypes, numels):
+            fp.init_all_gather_outputs(numel, dtype, ws, device)
+            fp.alloc_all_gather_outputs()
+            storages.append(fp.all_gather_outputs[0])
+        return storages
+
+    event = None
+    if device.type == "cuda":
+        # As stock FSDP2: the all-gather runs on its stream (overlapping compute when
+        # prefetching) and the copy-out seam makes the current stream wait for its event.
+        # The storages are allocated on that stream too; _free_unsharded_param records
+        # the compute stream on them before they go back to the allocator.
+        if all_gather_stream != all_gather_copy_in_stream:
+            all_gather_stream.wait_stream(all_gather_copy_in_stream)
+        with torch.cuda.stream(all_gather_stream):
+            storages = alloc_storages()
+            for fp in fsdp_params:
+                fp._tide_ag_stream_storage = True
+            work = backend.param_all_gather(state.layout, state.shards, state.offsets,
+                                            state.dtype, storages)
+            event = all_gather_stream.record_event()
+        if not async_op:
+            work = None
+    else:
+        work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
+                                        alloc_storages())
+        if not async_op:
+            work.wait()
+            work = None
+    _debug(f"all-gather: zero-copy on {device.type}, {len(fsdp_params)} params into their "
+           "own storage")
     stats["zero_copy_all_gather"] += 1
-    if not async_op:
-        work.wait()
-        work = None
     marker = torch.empty(0)
     marker._tide_zero_copy = True
-    return AllGatherResult(marker, None, work, dtypes, numels, [n[0] for n in numels])
+    return AllGatherResult(marker, event, work, dtypes, numels, [n[0] for n in numels])
 
 
 def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
     if not getattr(all_gather_result.all_gather_output, "_tide_zero_copy", False):
         return _originals["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
-    work = all_gather_result.all_gather_work
+    event, work = all_gather_result.all_gather_event, all_gather_result.all_gather_work
+    if event is not None:  # CUDA: the current stream waits for the all-gather stream
+        torch.cuda.current_stream().wait_event(event)
     if work is not None:
         work.wait()  # the shards are already in place: nothing to copy out
 
@@ -275,7 +323,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     predivide, postdivide, rs_op, _ = factors
     why = None
     if backend is None:
-        why = "not a tide CPU group"
+        why = "not a tide group (or CUDA tensors with a tide built without CUDA)"
     elif reduce_scatter_group.size() == 1:
         why = "world size 1"
     elif all_reduce_group is not None or partial_reduce_output is not None:
@@ -290,6 +338,9 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     elif len({g.dtype for g in unsharded_grads}) != 1 or any(
             fp.offload_to_cpu for fp in fsdp_params):
         why = "mixed gradient dtypes or CPU offload"
+    elif device.type == "cuda" and reduce_dtype != torch.float32:
+        why = (f"reduce dtype {reduce_dtype} on CUDA (TIDE-RS reduces into fp32 shards: "
+               "MixedPrecisionPolicy(reduce_dtype=torch.float32))")
     if why is not None:
         if backend is not None and why != "world size 1":
             _fallback("reduce-scatter", why)
@@ -305,21 +356,65 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     layout = state.layout if whole_group else _plan(fsdp_params, ws)
     padded = [lp.padded_shard_numel for lp in layout.params]
     out_offsets = [sum(padded[:i]) for i in range(len(padded))]
-    reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     grads = [g.contiguous() for g in unsharded_grads]
+    if device.type == "cuda":
+        return _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets,
+                                    padded, reduce_scatter_stream, reduce_dtype, rs_op,
+                                    postdivide, orig_dtype, all_reduce_hook, backend, device)
+    reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
     work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
                                         reuse, regions)
     work.wait()
     for off, nbytes in regions:
         reuse.release(off, nbytes)  # staging done: the vacated storage is free again
+    _reduce_scatter_done(fsdp_params, backend, device)
+    del grads
+    unsharded_grads.clear()  # autograd's gradients can go now
+    _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide, orig_dtype,
+                              all_reduce_hook)
+    stream = torch.cpu.current_stream()
+    event = stream.record_event()
+    return (torch.empty(0, device=device), event, event, None, None, None)
+
+
+def _reduce_scatter_done(fsdp_params, backend, device):
     report = backend.last_staging_report()
-    _debug(f"reduce-scatter: zero-copy, {len(fsdp_params)} params, staging "
+    _debug(f"reduce-scatter: zero-copy on {device.type}, {len(fsdp_params)} params, staging "
            f"{report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
            f"all-gather storage)")
     stats["zero_copy_reduce_scatter"] += 1
-    del grads
-    unsharded_grads.clear()  # autograd's gradients can go now
+
+
+def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
+                         reduce_scatter_stream, reduce_dtype, rs_op, postdivide, orig_dtype,
+                         all_reduce_hook, backend, device):
+    """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
+    backward compute that made the gradients, and with events for FSDP2 to wait on."""
+    reduce_scatter_stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(reduce_scatter_stream):
+        reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
+        backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op, None, [])
+        # The group's copy stream reads the gradients in place: they go back to the
+        # allocator only after this stream's work so far (which waits for those reads).
+        for g in grads:
+            g.record_stream(reduce_scatter_stream)
+        reduce_scatter_event = reduce_scatter_stream.record_event()
+        _reduce_scatter_done(fsdp_params, backend, device)
+        del grads
+        unsharded_grads.clear()
+        _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide,
+                                  orig_dtype, all_reduce_hook)
+        post_reduce_event = reduce_scatter_stream.record_event()
+    return (torch.empty(0, device=device), reduce_scatter_event, post_reduce_event, None, None,
+            None)
+
+
+def _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide, orig_dtype,
+                              all_reduce_hook):
+    """After the reduce-scatter, exactly as stock foreach_reduce: hook, post-divide, cast,
+    and view the flat output per parameter into (or onto) each sharded gradient."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as C
 
     if all_reduce_hook is not None:
         all_reduce_hook(reduce_output)
@@ -336,9 +431,6 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
             fp.sharded_param.grad = fp.to_sharded_dtensor(new_sharded_grad)
         for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
             hook(fp.sharded_param)
-    stream = torch.cpu.current_stream()
-    event = stream.record_event()
-    return (torch.empty(0, device=device), event, event, None, None, None)
 
 
 def _vacated_storage(state):

@@ -64,6 +64,15 @@ void check_tensor(const at::Tensor& t, const OpContext& ctx, const char* what) {
               " must be a dense (strided) tensor");
 }
 
+// A tensor of the CUDA FSDP2 path: dense, contiguous, on the group's device.
+void check_cuda_tensor(const at::Tensor& t, int device, const OpContext& ctx, const char* what) {
+  TORCH_CHECK(t.defined(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what, " is undefined");
+  TORCH_CHECK(t.is_cuda() && t.device().index() == device, "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
+              " is on ", t.device(), " but the symmetric memory is on cuda:", device);
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), "tide ", ctx.name, ": rank ", ctx.rank, ": ", what,
+              " must be a dense contiguous tensor");
+}
+
 // An input: checked and made contiguous (a copy only when the caller's was not).
 at::Tensor input(const at::Tensor& t, const OpContext& ctx, const char* what = "input") {
   check_tensor(t, ctx, what);
@@ -149,7 +158,7 @@ void WorkTide::complete(std::exception_ptr eptr) {
 // ---- ProcessGroupTide -----------------------------------------------------------------------
 ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                    std::chrono::milliseconds timeout, const std::string& group_name)
-    : c10d::Backend(rank, size) {
+    : c10d::Backend(rank, size), store_(store), group_name_(group_name), timeout_(timeout) {
   C10dStore tide_store(store);
   CommOptions options;
   options.timeout = timeout;
@@ -158,6 +167,9 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
 }
 
 ProcessGroupTide::~ProcessGroupTide() {
+#ifdef TIDE_WITH_CUDA
+  cuda_path_.reset();  // its teardown is collective over the store, not the worker
+#endif
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -664,7 +676,37 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::cuda_delegate(const char* op
   return cuda_;
 }
 
-std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes) {
+#ifdef TIDE_WITH_CUDA
+CudaPath& ProcessGroupTide::cuda_path() {
+  if (!cuda_path_) {
+    // The argument checks all-gather a fingerprint through the host communicator, on the
+    // worker, so they stay ordered with CPU collectives issued before.
+    auto exchange = [this](const std::vector<uint8_t>& mine) {
+      std::vector<std::vector<uint8_t>> all(getSize(), std::vector<uint8_t>(mine.size()));
+      auto work = enqueue(c10d::OpType::ALLGATHER, "tide:cuda_check", {}, [this, &mine, &all]() {
+        std::vector<void*> outs;
+        for (auto& v : all) outs.push_back(v.data());
+        comm_->all_gather(mine.data(), outs, mine.size(), DType::u8);
+      });
+      work->wait();
+      return all;
+    };
+    cuda_path_ = std::make_unique<CudaPath>(std::make_shared<C10dStore>(store_), "pg" + group_name_ + "/cuda",
+                                            getRank(), getSize(), timeout_, exchange);
+  }
+  return *cuda_path_;
+}
+#endif
+
+std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
+  if (device >= 0) {
+#ifdef TIDE_WITH_CUDA
+    return cuda_path().allocate_symmetric(bytes, device);
+#else
+    TORCH_CHECK(false, "tide allocate_symmetric: rank ", getRank(), ": cuda:", device,
+                " requested, but tide was built without CUDA");
+#endif
+  }
   auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
   auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {},
                       [this, bytes, result]() { *result = comm_->allocate_symmetric(bytes); });
@@ -682,9 +724,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
               storages.size(), " storages");
   TORCH_CHECK(layout.world_size == getSize(), "tide param_all_gather: rank ", getRank(),
               ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
+  TORCH_CHECK(shards, "tide param_all_gather: rank ", getRank(), ": no shard memory");
+  const int device = shards->device();
   auto storage_dtype = storages.empty() ? DType::f32 : to_dtype(storages[0].scalar_type(), ctx);
   for (size_t p = 0; p < n; ++p) {
-    check_tensor(storages[p], ctx, "storage");
+    if (device >= 0)
+      check_cuda_tensor(storages[p], device, ctx, "storage");
+    else
+      check_tensor(storages[p], ctx, "storage");
     TORCH_CHECK(storages[p].is_contiguous() && storages[p].numel() == layout.params[p].storage_numel &&
                     to_dtype(storages[p].scalar_type(), ctx) == storage_dtype,
                 "tide param_all_gather: rank ", getRank(), ": storage of parameter ", p, " has ",
@@ -692,19 +739,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
                 layout.params[p].storage_numel, " contiguous elements of one dtype");
   }
   auto src_dtype = to_dtype(shard_dtype, ctx);
-  return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages,
-                 [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype]() {
-                   std::vector<void*> ptrs;
-                   for (auto& t : storages) ptrs.push_back(t.data_ptr());
-                   tide::ParamAllGather args;
-                   args.layout = &layout;
-                   args.shards = shards.get();
-                   args.shard_offsets = shard_offsets;
-                   args.shard_dtype = src_dtype;
-                   args.storages = ptrs;
-                   args.storage_dtype = storage_dtype;
-                   comm_->param_all_gather(args);
-                 });
+  // The call itself: on the worker thread (host), or right here (CUDA: stream-ordered).
+  auto call = [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype,
+               device]() -> c10::intrusive_ptr<c10d::Work> {
+    std::vector<void*> ptrs;
+    for (auto& t : storages) ptrs.push_back(t.data_ptr());
+    tide::ParamAllGather args;
+    args.layout = &layout;
+    args.shards = shards.get();
+    args.shard_offsets = shard_offsets;
+    args.shard_dtype = src_dtype;
+    args.storages = ptrs;
+    args.storage_dtype = storage_dtype;
+#ifdef TIDE_WITH_CUDA
+    if (device >= 0) return cuda_path().param_all_gather(args, storages, device);
+#endif
+    comm_->param_all_gather(args);
+    return {};
+  };
+  if (device >= 0) return call();
+  return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages, [call]() { call(); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
@@ -723,12 +777,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
               out_offsets.size(), " output offsets");
   TORCH_CHECK(layout.world_size == getSize(), "tide param_reduce_scatter: rank ", getRank(),
               ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
-  check_tensor(out, ctx, "output");
+  const int device = out.defined() && out.is_cuda() ? out.device().index() : -1;
+  if (device >= 0) {
+    check_cuda_tensor(out, device, ctx, "output");
+    TORCH_CHECK(!reuse || reuse->device() == device, "tide param_reduce_scatter: rank ", getRank(),
+                ": Slot-Reuse memory is not on the output's device");
+  } else {
+    check_tensor(out, ctx, "output");
+  }
   TORCH_CHECK(out.is_contiguous(), "tide param_reduce_scatter: rank ", getRank(),
               ": the output must be contiguous");
   auto grad_dtype = n ? to_dtype(grads[0].scalar_type(), ctx) : DType::f32;
   for (size_t p = 0; p < n; ++p) {
-    check_tensor(grads[p], ctx, "gradient");
+    if (device >= 0)
+      check_cuda_tensor(grads[p], device, ctx, "gradient");
+    else
+      check_tensor(grads[p], ctx, "gradient");
     TORCH_CHECK(grads[p].is_contiguous() && grads[p].numel() == layout.params[p].numel &&
                     to_dtype(grads[p].scalar_type(), ctx) == grad_dtype,
                 "tide param_reduce_scatter: rank ", getRank(), ": gradient of parameter ", p,
@@ -742,23 +806,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
   }
   auto out_dtype = to_dtype(out.scalar_type(), ctx);
   auto red = to_reduce(op, ctx);
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out},
-                 [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse,
-                  regions]() {
-                   std::vector<const void*> ptrs;
-                   for (auto& g : grads) ptrs.push_back(g.data_ptr());
-                   tide::ParamReduceScatter args;
-                   args.layout = &layout;
-                   args.grads = ptrs;
-                   args.grad_dtype = grad_dtype;
-                   args.out = out.data_ptr();
-                   args.out_offsets = out_offsets;
-                   args.out_dtype = out_dtype;
-                   args.op = red;
-                   args.reuse = reuse.get();
-                   args.reuse_regions = regions;
-                   last_staging_ = comm_->param_reduce_scatter(args);
-                 });
+#ifndef TIDE_WITH_CUDA
+  TORCH_CHECK(device < 0, "tide param_reduce_scatter: rank ", getRank(),
+              ": CUDA tensors, but tide was built without CUDA");
+#endif
+  // As param_all_gather: on the worker (host) or right here (CUDA). On CUDA the group's copy
+  // stream reads the gradients after this returns: python/tide/fsdp.py records them on its
+  // stream so they outlive the reads.
+  auto call = [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse, regions,
+               device]() -> c10::intrusive_ptr<c10d::Work> {
+    std::vector<const void*> ptrs;
+    for (auto& g : grads) ptrs.push_back(g.data_ptr());
+    tide::ParamReduceScatter args;
+    args.layout = &layout;
+    args.grads = ptrs;
+    args.grad_dtype = grad_dtype;
+    args.out = out.data_ptr();
+    args.out_offsets = out_offsets;
+    args.out_dtype = out_dtype;
+    args.op = red;
+    args.reuse = reuse.get();
+    args.reuse_regions = regions;
+#ifdef TIDE_WITH_CUDA
+    if (device >= 0) return cuda_path().param_reduce_scatter(args, {out}, device, &last_staging_);
+#endif
+    last_staging_ = comm_->param_reduce_scatter(args);
+    return {};
+  };
+  if (device >= 0) return call();
+  return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out}, [call]() { call(); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions&) {

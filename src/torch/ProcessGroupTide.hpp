@@ -14,6 +14,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "tide/comm.hpp"
+#ifdef TIDE_WITH_CUDA
+#include "cuda/CudaPath.hpp"
+#endif
 
 namespace tide::torch_backend {
 
@@ -93,8 +96,11 @@ class ProcessGroupTide : public c10d::Backend {
   void set_cuda_delegate(c10::intrusive_ptr<c10d::Backend> nccl) { cuda_ = std::move(nccl); }
 
   // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
-  // Collective, blocking: symmetric shared memory for the group's sharded parameters.
-  std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes);
+  // Each call runs on CUDA when its tensors are CUDA tensors (cuda/CudaPath.hpp: stream
+  // ordered on the current stream), on the host transport otherwise.
+  // Collective, blocking: symmetric memory for the group's sharded parameters, host shared
+  // memory (device -1) or CUDA device memory every rank maps (device >= 0).
+  std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes, int device = -1);
   // TIDE-AG: every rank's shards (in `shards`, at shard_offsets bytes) land at the planner's
   // addresses in this rank's per-parameter unsharded storages, cast where read.
   c10::intrusive_ptr<c10d::Work> param_all_gather(const tide::plan::GroupLayout& layout,
@@ -124,8 +130,16 @@ class ProcessGroupTide : public c10d::Backend {
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);
 
+  // The host communicator: CPU tensors, and the CUDA path's cross-rank argument checks.
   std::unique_ptr<tide::Comm> comm_;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string group_name_;
+  std::chrono::milliseconds timeout_;
+#ifdef TIDE_WITH_CUDA
+  CudaPath& cuda_path();
+  std::unique_ptr<CudaPath> cuda_path_;  // created at the first CUDA FSDP2 call
+#endif
   tide::StagingReport last_staging_;
   std::mutex mutex_;
   std::condition_variable cv_;

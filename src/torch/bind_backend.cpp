@@ -8,12 +8,22 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "ProcessGroupTide.hpp"
+#ifdef TIDE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
 
 namespace tide::py {
 
 namespace {
-// A tensor over part of this rank's symmetric memory; the memory stays mapped while the
-// tensor (or any view of it) lives.
+c10::Device device_of(const SymmetricBuffer& buf) {
+  return buf.device() < 0 ? c10::Device(c10::kCPU)
+                          : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(buf.device()));
+}
+
+// A tensor over part of this rank's symmetric memory (on the memory's device); the memory
+// stays mapped while the tensor (or any view of it) lives.
 at::Tensor symmetric_tensor(const std::shared_ptr<SymmetricBuffer>& buf, int rank, size_t offset,
                             int64_t numel, at::ScalarType dtype) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
@@ -23,7 +33,7 @@ at::Tensor symmetric_tensor(const std::shared_ptr<SymmetricBuffer>& buf, int ran
   auto keep = buf;
   return at::from_blob(
       buf->peer(rank) + offset, {numel}, [keep](void*) mutable { keep.reset(); },
-      at::TensorOptions().dtype(dtype).device(at::kCPU));
+      at::TensorOptions().dtype(dtype).device(device_of(*buf)));
 }
 // Moves a CPU tensor's whole storage into this rank's part of `buf` at `offset`: the bytes
 // are copied and the storage's data pointer swapped, so every tensor sharing the storage
@@ -31,18 +41,30 @@ at::Tensor symmetric_tensor(const std::shared_ptr<SymmetricBuffer>& buf, int ran
 // follows, and the old memory is freed.
 void move_storage(const at::Tensor& t, const std::shared_ptr<SymmetricBuffer>& buf, int rank,
                   size_t offset) {
-  TORCH_CHECK(t.device().is_cpu(), "tide: move_storage takes CPU tensors, got ", t.device());
+  const c10::Device device = device_of(*buf);
+  TORCH_CHECK(t.device() == device, "tide: move_storage: a tensor on ", t.device(),
+              " cannot move into symmetric memory on ", device);
   c10::Storage storage = t.storage();
   const size_t nbytes = storage.nbytes();
   TORCH_CHECK(offset + nbytes <= buf->bytes(rank), "tide: a storage of ", nbytes,
               " bytes at offset ", offset, " does not fit this rank's ", buf->bytes(rank),
               " bytes of symmetric memory");
   std::byte* dst = buf->peer(rank) + offset;
-  if (nbytes) std::memcpy(dst, storage.data(), nbytes);
+  if (nbytes && device.is_cpu()) std::memcpy(dst, storage.data(), nbytes);
+#ifdef TIDE_WITH_CUDA
+  if (nbytes && device.is_cuda()) {
+    // After the work already queued on the current stream (which may still write the
+    // parameter), and finished before the old memory goes back to the caching allocator.
+    c10::cuda::CUDAGuard guard(device.index());
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, storage.data(), nbytes, cudaMemcpyDeviceToDevice, stream));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+#endif
   auto* keep = new std::shared_ptr<SymmetricBuffer>(buf);
   storage.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(
       dst, keep, [](void* ctx) { delete static_cast<std::shared_ptr<SymmetricBuffer>*>(ctx); },
-      c10::Device(c10::kCPU)));
+      device));
 }
 }  // namespace
 
@@ -55,11 +77,13 @@ void bind_backend(pybind11::module_& m) {
   py::class_<SymmetricBuffer, std::shared_ptr<SymmetricBuffer>>(
       m, "SymmetricMemory", "Shared memory every rank of a tide group maps (one part per rank).")
       .def("tensor", &symmetric_tensor, py::arg("rank"), py::arg("offset"), py::arg("numel"),
-           py::arg("dtype"), "A 1-D CPU tensor over `rank`'s part (normally this rank's own), "
+           py::arg("dtype"), "A 1-D tensor over `rank`'s part (normally this rank's own), on the memory's device, "
            "starting `offset` bytes in.")
       .def("release", &SymmetricBuffer::release, py::arg("offset"), py::arg("bytes"),
            "Returns the pages of a range of this rank's part to the OS (reads as zeros after).")
-      .def("nbytes", &SymmetricBuffer::bytes, py::arg("rank"));
+      .def("nbytes", &SymmetricBuffer::bytes, py::arg("rank"))
+      .def_property_readonly("device", [](const SymmetricBuffer& b) { return device_of(b).str(); },
+                             "'cpu' (host shared memory) or 'cuda:N' (CUDA device memory).");
 
   m.def("move_storage", &move_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
         py::arg("offset"));
@@ -79,7 +103,8 @@ void bind_backend(pybind11::module_& m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>())
       .def("allocate_symmetric", &ProcessGroupTide::allocate_symmetric, py::arg("bytes"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("device") = -1, py::call_guard<py::gil_scoped_release>(),
+           "Collective: symmetric memory, host shared memory (device -1) or on cuda:device.")
       .def("param_all_gather", &ProcessGroupTide::param_all_gather, py::arg("layout"),
            py::arg("shards"), py::arg("shard_offsets"), py::arg("shard_dtype"),
            py::arg("storages"), py::call_guard<py::gil_scoped_release>())

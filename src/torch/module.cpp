@@ -10,4 +10,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "TIDE: zero-copy collectives for PyTorch FSDP2 (native part)";
   tide::py::bind_plan(m);
   tide::py::bind_backend(m);
+#ifdef TIDE_WITH_CUDA
+  m.attr("has_cuda") = true;  // FSDP2's TIDE-AG / TIDE-RS on CUDA tensors (src/torch/cuda)
+#else
+  m.attr("has_cuda") = false;
+#endif
 }

@@ -7,7 +7,10 @@
 #      every rank a process on GPU 0; then tide_cuda_tests if GoogleTest was found
 #   4. build benchmarks/gpu/bench_cuda.cu with nvcc and run it: JSON with docs/model.md's
 #      --calibrate keys in benchmarks/results/cuda_<gpu>.json (and $OUT when set)
-#   5. build tide._C against the machine's torch and run the CUDA pytest
+#   5. build tide._C (with its CUDA path) against the machine's torch and run the CUDA
+#      pytest: standard ops through the NCCL delegate, TIDE-AG / TIDE-RS called directly
+#      (ws 1 2 4, against CPU references), mismatched calls and a dead peer, and FSDP2 on
+#      CUDA against stock FSDP2 on gloo
 # Usage: tests/gpu/run.sh [build dir, default build-gpu]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -61,12 +64,12 @@ result=benchmarks/results/cuda_${gpu:-gpu}.json
 run timeout 180 "$build/bench_cuda" "$result" || status=$?
 if [ -n "${OUT:-}" ] && [ -f "$result" ]; then cp "$result" "$OUT/"; fi
 
-echo "== 5. torch: tide._C and the CUDA pytest (standard ops through the NCCL delegate)" >&2
+echo "== 5. torch: tide._C and the CUDA pytest" >&2
 if python3 -c "import torch, pybind11" 2>/dev/null; then
   run cmake -S . -B "$build" -DTIDE_BUILD_TORCH=ON -DPython3_EXECUTABLE="$(command -v python3)"
   run cmake --build "$build" -j"$jobs" --target tide_C || status=$?
-  PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 120 python3 -m pytest -q -rs \
-    tests/python/test_cuda_backend.py || status=$?
+  PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 330 python3 -m pytest -q -rs \
+    tests/python/test_cuda_backend.py tests/python/test_fsdp_cuda.py || status=$?
 else
   echo "(python3 has no torch/pybind11: skipped)" >&2
 fi

@@ -157,3 +157,21 @@ def test_no_leaks_after_group_destruction(mode):
         assert maps_during > maps_before, "the check must see the group's own mappings"
         assert maps_after == maps_before, f"rank {rank}: {maps_after - maps_before} mappings left"
     assert tide_shm_entries() == before
+
+
+def cuda_memory_without_device_worker(rank, ws):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return expect_error(lambda: backend.allocate_symmetric(1024, 0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_symmetric_memory_without_a_device_is_a_clear_error():
+    import tide
+
+    err = run_ranks(cuda_memory_without_device_worker, 2)
+    for r, e in enumerate(err):
+        assert e is not None, f"rank {r}: no error"
+        if tide._C.has_cuda:
+            assert "no CUDA device" in e and f"rank {r}" in e, e
+        else:
+            assert "built without CUDA" in e, e

@@ -16,12 +16,17 @@
 //
 // Failures: an expired deadline throws tide::TimeoutError naming the collective, the rank and
 // every rank's counters; the group is then unusable (every later call throws) and its
-// device memory is leaked at destruction (a peer's stream may still wait on it).
+// device memory is leaked at destruction (a peer's stream may still wait on it). Without
+// host waits (options.blocking false) nobody sees a deadline expire on the calling thread:
+// a watchdog (the torch adapter's) calls abort(), which also frees this rank's streams from
+// waits on peers that will never post.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include <cuda_runtime_api.h>
@@ -79,8 +84,8 @@ class CudaGroup {
   // Symmetric scratch of at least `bytes` on every rank (collective; same size everywhere).
   CudaSymmetricBuffer& scratch(size_t bytes);
 
-  uint32_t next(FlagId f) { return ++epoch_[f]; }
-  uint32_t current(FlagId f) const { return epoch_[f]; }
+  uint32_t next(FlagId f) { return epoch_[f].fetch_add(1) + 1; }
+  uint32_t current(FlagId f) const { return epoch_[f].load(); }
   void post(cudaStream_t stream, FlagId f, uint32_t value);
   void wait(cudaStream_t stream, int peer, FlagId f, uint32_t value);
 
@@ -91,6 +96,14 @@ class CudaGroup {
   // (deadline: options().timeout).
   void end(cudaStream_t caller, std::initializer_list<cudaStream_t> work);
   void fail(const std::string& why);  // marks the group unusable and throws TimeoutError
+
+  // Any thread (a watchdog), never throws: marks the group unusable with `why` (prefixed
+  // with the rank and every rank's flags) and releases this rank's streams from their waits
+  // on peers' flags by writing the awaited values into the peers' flag words: the outputs of
+  // the collectives in flight are then garbage, but no stream stays stuck behind a dead peer.
+  void abort(const std::string& why);
+  bool broken() const { return broken_.load(); }
+  std::string broken_why() const;
 
  private:
   void host_wait_stream(cudaStream_t s, const char* what);
@@ -105,16 +118,17 @@ class CudaGroup {
   SyncMode mode_ = SyncMode::device;
   Capabilities caps_;
   PathChoice ag_path_;
-  cudaStream_t copy_ = nullptr, compute_ = nullptr, side_ = nullptr;
+  cudaStream_t copy_ = nullptr, compute_ = nullptr, side_ = nullptr, abort_stream_ = nullptr;
   cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr};
   std::shared_ptr<CudaSymmetricBuffer> control_, staging_, scratch_;
   int num_slots_ = 2, rs_ctas_ = 8;
   size_t slot_bytes_ = 0, piece_bytes_ = 0;
-  uint32_t epoch_[kNumFlags] = {};
+  std::atomic<uint32_t> epoch_[kNumFlags] = {};  // read by abort() from another thread
   uint64_t alloc_seq_ = 0, barrier_seq_ = 0;
   const char* collective_ = "";
   std::chrono::steady_clock::time_point started_{};
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};
+  mutable std::mutex why_mutex_;  // broken_why_: set by fail() or abort(), read anywhere
   std::string broken_why_;
 };
 

@@ -49,6 +49,7 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   // cudaMalloc'd memory cannot be decommitted piecewise: the range is zero-filled
   // (synchronously) and stays resident. (A cuMemCreate-based buffer could unmap and remap.)
   void release(size_t offset, size_t bytes) override;
+  int device() const override { return device_; }
   // Skip the teardown barrier and leak (after an abort: a peer may never arrive).
   void leak_on_destroy() { leak_ = true; }
 
@@ -56,7 +57,7 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   CudaSymmetricBuffer() = default;
   std::shared_ptr<Store> store_;
   std::string key_;
-  int rank_ = 0, world_size_ = 1;
+  int rank_ = 0, world_size_ = 1, device_ = 0;
   std::chrono::milliseconds timeout_{0};
   std::vector<std::byte*> ptrs_;
   std::vector<size_t> sizes_;

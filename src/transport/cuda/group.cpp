@@ -2,6 +2,7 @@
 #include "tide/cuda/group.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 
@@ -73,6 +74,7 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[0], cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[1], cudaEventDisableTiming));
@@ -122,13 +124,13 @@ CudaGroup::~CudaGroup() {
   if (broken_) return;  // streams may still wait on peers' flags: leave them to process exit
   for (cudaEvent_t e : {ev_in_, ev_out_[0], ev_out_[1]})
     if (e) (void)cudaEventDestroy(e);
-  for (cudaStream_t s : {copy_, compute_, side_})
+  for (cudaStream_t s : {copy_, compute_, side_, abort_stream_})
     if (s) (void)cudaStreamDestroy(s);
   (void)cudaGetLastError();
 }
 
 std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes) {
-  TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": group unusable after an earlier failure: ", broken_why_);
+  TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": group unusable after an earlier failure: ", broken_why());
   return CudaSymmetricBuffer::allocate(store_, ns_ + "/cuda/sym/" + std::to_string(alloc_seq_++), rank_, ws_, bytes,
                                        opt_.timeout);
 }
@@ -213,11 +215,49 @@ std::string CudaGroup::flags_report() {
 std::chrono::steady_clock::time_point CudaGroup::deadline() const { return started_ + opt_.timeout; }
 
 void CudaGroup::fail(const std::string& why) {
+  std::string what = detail::concat("tide: cuda: ", collective_, " on rank ", rank_, " of ", ws_, " timed out after ",
+                                    opt_.timeout.count(), " ms: ", why);
+  {
+    std::lock_guard<std::mutex> lock(why_mutex_);
+    broken_why_ = what;
+  }
   broken_ = true;
-  broken_why_ = detail::concat("tide: cuda: ", collective_, " on rank ", rank_, " of ", ws_, " timed out after ",
-                               opt_.timeout.count(), " ms: ", why);
   const std::string report = flags_report();
-  throw TimeoutError(broken_why_ + "; flags:" + report);
+  throw TimeoutError(what + "; flags:" + report);
+}
+
+std::string CudaGroup::broken_why() const {
+  std::lock_guard<std::mutex> lock(why_mutex_);
+  return broken_why_;
+}
+
+void CudaGroup::abort(const std::string& why) {
+  if (broken_.exchange(true)) return;
+  std::string report;
+  try {
+    report = flags_report();
+  } catch (const std::exception&) {
+    report = " (unreadable)";
+  }
+  {
+    std::lock_guard<std::mutex> lock(why_mutex_);
+    broken_why_ = detail::concat("tide: cuda: rank ", rank_, " of ", ws_, ": ", why, "; flags:", report);
+  }
+  std::fprintf(stderr, "[tide] %s\n", broken_why().c_str());  // always: like NCCL's watchdog
+  // Our streams wait for peer flag >= our own epoch of that flag (cyclic compare): writing
+  // the epoch there releases every wait issued so far.
+  if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+  uint32_t values[kNumFlags];  // pageable: each copy is staged before cudaMemcpyAsync returns
+  for (uint32_t f = 0; f < kNumFlags; ++f) values[f] = epoch_[f].load();
+  for (int r = 0; r < ws_; ++r) {
+    if (r == rank_) continue;
+    for (uint32_t f = 0; f < kNumFlags; ++f) {
+      std::byte* addr = control_->peer(r) + f * kFlagStride;
+      if (cudaMemcpyAsync(addr, &values[f], sizeof(uint32_t), cudaMemcpyHostToDevice, abort_stream_) != cudaSuccess)
+        (void)cudaGetLastError();  // a dead peer's mapping may be gone: nothing to release then
+    }
+  }
+  if (cudaStreamSynchronize(abort_stream_) != cudaSuccess) (void)cudaGetLastError();
 }
 
 void CudaGroup::host_wait_stream(cudaStream_t s, const char* what) {
@@ -236,7 +276,7 @@ void CudaGroup::host_wait_stream(cudaStream_t s, const char* what) {
 
 void CudaGroup::begin(const char* collective, cudaStream_t caller, std::initializer_list<cudaStream_t> work) {
   TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": ", collective, ": group unusable after an earlier failure: ",
-             broken_why_);
+             broken_why());
   collective_ = collective;
   started_ = std::chrono::steady_clock::now();
   TIDE_CUDA_CHECK(cudaSetDevice(device_));

@@ -61,6 +61,7 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   b->sizes_.assign(world_size, 0);
   int dev = 0;
   TIDE_CUDA_CHECK(cudaGetDevice(&dev));
+  b->device_ = dev;
   // Always allocate something (a zero-byte part still needs a handle to exchange).
   const size_t alloc = bytes ? bytes : 256;
   void* p = nullptr;

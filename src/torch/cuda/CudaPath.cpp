@@ -1,0 +1,269 @@
+#include "CudaPath.hpp"
+
+#include <cstdio>
+#include <cstring>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include "../../core/env.hpp"
+#include "tide/cuda/check.hpp"
+#include "tide/cuda/group.hpp"
+#include "tide/error.hpp"
+
+namespace tide::torch_backend {
+namespace {
+
+std::shared_ptr<void> make_event() {
+  cudaEvent_t ev = nullptr;
+  TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  return std::shared_ptr<void>(ev, [](void* e) {
+    if (cudaEventDestroy(static_cast<cudaEvent_t>(e)) != cudaSuccess) (void)cudaGetLastError();
+  });
+}
+
+// cudaEventQuery without leaving cudaErrorNotReady behind as the thread's last error.
+bool event_done(void* ev) {
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev));
+  if (e == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
+
+[[noreturn]] void raise_failed(const std::string& why) { C10_THROW_ERROR(DistBackendError, why); }
+
+// A collective's Work on CUDA: completion is an event on the issuing stream.
+class WorkTideCuda : public c10d::Work {
+ public:
+  WorkTideCuda(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+               std::shared_ptr<void> event, int device, std::shared_ptr<CudaPath::Health> health)
+      : c10d::Work(-1, type, title),
+        outputs_(std::move(outputs)),
+        event_(std::move(event)),
+        device_(device),
+        health_(std::move(health)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()),
+            std::vector<c10::Device>{c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))})) {
+    // A CUDA-aware future: completing it now, on the issuing stream, records events there,
+    // and its wait() makes the waiter's current stream wait for them (as WorkNCCL's).
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();  // the host side is done: ends the profiler's record of the call
+  }
+  bool isCompleted() override { return !health_->get().empty() || event_done(event_.get()); }
+  bool isSuccess() const override { return health_->get().empty(); }
+  std::exception_ptr exception() const override {
+    const std::string e = health_->get();
+    return e.empty() ? nullptr : std::make_exception_ptr(std::runtime_error(e));
+  }
+  bool wait(std::chrono::milliseconds) override {
+    if (const std::string e = health_->get(); !e.empty()) raise_failed(e);
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream(),
+        static_cast<cudaEvent_t>(event_.get()), 0));
+    return true;
+  }
+  void synchronize() override { wait(kNoTimeout); }
+  void blockCurrentStream() override { wait(kNoTimeout); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  std::shared_ptr<void> event_;
+  int device_;
+  std::shared_ptr<CudaPath::Health> health_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// What every rank must agree on before a collective is enqueued.
+struct Fingerprint {
+  char collective[24];
+  uint64_t seq;
+  uint64_t layout_hash;
+  uint64_t numel;  // elements of all parameters
+  uint32_t params;
+  int32_t world_size;
+  int32_t op;  // reduce op, -1 for the all-gather
+  uint8_t from, to;
+  uint8_t pad[2];
+};
+static_assert(sizeof(Fingerprint) == 64);
+
+uint64_t hash_layout(const tide::plan::GroupLayout& layout) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the numbers that place every byte
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(layout.world_size);
+  for (const auto& p : layout.params) {
+    mix(p.numel);
+    mix(p.storage_numel);
+    mix(p.padded_shard_numel);
+    for (const auto& s : p.shards) {
+      mix(s.numel);
+      mix(s.placement.offset);
+      mix(s.placement.run);
+      mix(s.placement.stride);
+      mix(s.placement.count);
+    }
+  }
+  return h;
+}
+
+std::string describe(const Fingerprint& f) {
+  return tide::detail::concat(std::string(f.collective, strnlen(f.collective, sizeof f.collective)), " #", f.seq,
+                              " (", f.params, " params, ", f.numel, " elements, ",
+                              tide::dtype_name(static_cast<tide::DType>(f.from)), " -> ",
+                              tide::dtype_name(static_cast<tide::DType>(f.to)), ", world size ", f.world_size,
+                              f.op >= 0 ? tide::detail::concat(", reduce op ", f.op) : std::string(), ")");
+}
+
+}  // namespace
+
+CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
+                   std::chrono::milliseconds timeout, Exchange exchange)
+    : store_(std::move(store)),
+      ns_(std::move(ns)),
+      rank_(rank),
+      ws_(world_size),
+      timeout_(timeout),
+      exchange_(std::move(exchange)) {
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+CudaPath::~CudaPath() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  watchdog_.join();
+  // group_ goes last: its destructor waits for its streams (when healthy) and frees its
+  // symmetric memory together with the peers.
+}
+
+tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
+  if (const std::string e = health_->get(); !e.empty()) raise_failed(e);
+  if (!group_) {
+    tide::cuda::CudaGroupOptions options;
+    options.timeout = timeout_;
+    options.blocking = false;  // stream-ordered; the watchdog enforces the timeout
+    group_ = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
+  }
+  TORCH_CHECK(group_->device() == device, "tide ", collective, ": rank ", rank_, ": tensors on cuda:", device,
+              " but this group's CUDA collectives run on cuda:", group_->device(),
+              " (one device per rank and process group)");
+  return *group_;
+}
+
+std::shared_ptr<tide::SymmetricBuffer> CudaPath::allocate_symmetric(size_t bytes, int device) {
+  auto& g = group(device, "allocate_symmetric");  // first: it probes for a device
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  return g.allocate_symmetric(bytes);
+}
+
+void CudaPath::check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
+                                  tide::DType from, tide::DType to, int op) {
+  Fingerprint mine{};
+  std::strncpy(mine.collective, collective, sizeof mine.collective - 1);
+  mine.seq = seq_++;
+  mine.layout_hash = hash_layout(layout);
+  for (const auto& p : layout.params) mine.numel += static_cast<uint64_t>(p.numel);
+  mine.params = static_cast<uint32_t>(layout.params.size());
+  mine.world_size = layout.world_size;
+  mine.op = op;
+  mine.from = static_cast<uint8_t>(from);
+  mine.to = static_cast<uint8_t>(to);
+  std::vector<uint8_t> bytes(sizeof mine);
+  std::memcpy(bytes.data(), &mine, sizeof mine);
+  const auto all = exchange_(bytes);
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] == bytes) continue;
+    Fingerprint theirs{};
+    std::memcpy(&theirs, all[r].data(), std::min(all[r].size(), sizeof theirs));
+    const bool same_shape = std::memcmp(theirs.collective, mine.collective, sizeof mine.collective) == 0 &&
+                            theirs.numel == mine.numel && theirs.params == mine.params;
+    TORCH_CHECK(false, "tide ", collective, ": rank ", rank_, ": the ranks' calls do not match: rank ", r,
+                " called ", describe(theirs), ", rank ", rank_, " called ", describe(mine),
+                same_shape ? " (same sizes, different sharding or placement)" : "");
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CudaPath::finish(const char* collective, c10d::OpType type,
+                                                std::vector<at::Tensor> outputs, int device) {
+  auto event = make_event();
+  TIDE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event.get()),
+                                  c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back({event, std::chrono::steady_clock::now() + timeout_,
+                        tide::detail::concat(collective, " #", seq_ - 1)});
+  }
+  cv_.notify_one();
+  return c10::make_intrusive<WorkTideCuda>(type, collective, std::move(outputs), std::move(event), device, health_);
+}
+
+c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGather& args,
+                                                          std::vector<at::Tensor> outputs, int device) {
+  auto& g = group(device, "param_all_gather");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  tide::cuda::param_all_gather(g, args, stream);
+  tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
+                                      args.layout->params.size(), " params over ",
+                                      tide::cuda::path_name(g.allgather_path().path)));
+  return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
+}
+
+c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamReduceScatter& args,
+                                                              std::vector<at::Tensor> outputs, int device,
+                                                              tide::StagingReport* report) {
+  auto& g = group(device, "param_reduce_scatter");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_across_ranks("param_reduce_scatter", *args.layout, args.grad_dtype, args.out_dtype,
+                     static_cast<int>(args.op.op));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  *report = tide::cuda::param_reduce_scatter(g, args, stream);
+  tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ",
+                                      args.layout->params.size(), " params, copy engines + ", g.rs_ctas(),
+                                      " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
+                                      " B staging (", report->reused_slots, " in vacated all-gather storage)"));
+  return finish("tide:param_reduce_scatter", c10d::OpType::REDUCE_SCATTER, std::move(outputs), device);
+}
+
+void CudaPath::watchdog_loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait_for(lock, std::chrono::milliseconds(50));
+    if (stop_) return;
+    if (group_ && cudaSetDevice(group_->device()) != cudaSuccess) (void)cudaGetLastError();
+    // Collectives complete in issue order (one stream of work per group): the oldest first.
+    while (!pending_.empty()) {
+      Pending& p = pending_.front();
+      if (event_done(p.event.get())) {
+        pending_.pop_front();
+        continue;
+      }
+      if (std::chrono::steady_clock::now() < p.deadline) break;
+      const std::string why = tide::detail::concat(p.what, " did not complete within ", timeout_.count(),
+                                                   " ms (a peer died or hung); the group is aborted");
+      if (group_) group_->abort(why);  // releases our streams; its reason names every rank's flags
+      {
+        std::lock_guard<std::mutex> h(health_->mutex);
+        health_->error = group_ ? group_->broken_why() : "tide: cuda: rank " + std::to_string(rank_) + ": " + why;
+      }
+      pending_.clear();
+      break;
+    }
+  }
+}
+
+}  // namespace tide::torch_backend

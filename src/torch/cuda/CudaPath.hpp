@@ -1,0 +1,107 @@
+// The CUDA side of ProcessGroupTide's FSDP2 path: TIDE-AG and TIDE-RS on CUDA tensors, over
+// a tide::cuda::CudaGroup (src/transport/cuda) created on the device of the first CUDA call.
+// Built only when tide_cuda is (TIDE_WITH_CUDA); the standard ops on CUDA tensors do not come
+// here, they go to torch's NCCL backend.
+//
+// Streams follow ProcessGroupNCCL's conventions: a collective is ordered after the work
+// already enqueued on the caller's current stream, and that stream waits for it, so there is
+// no host synchronisation on the hot path. Work.wait() makes the then-current stream wait for
+// the collective's completion event (a no-op on the issuing stream), and raises once the group
+// has failed.
+//
+// Checks: before anything is enqueued, every rank contributes a fingerprint of its call
+// (collective, sequence number, planner layout, dtypes, element counts) through the host
+// communicator, so a mismatch raises on every rank, naming both calls, instead of leaving
+// streams waiting on each other; a peer that never makes the call raises TimeoutError there.
+//
+// Watchdog: a thread polls each collective's completion event. One not complete within the
+// group's timeout (a peer died or hung after the check) aborts the group: this rank's streams
+// are released (tide::cuda::CudaGroup::abort), the reason goes to stderr, and every later
+// call and every Work.wait() raises TimeoutError naming the collective, the rank and every
+// rank's flags.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "tide/comm.hpp"
+#include "tide/store.hpp"
+
+namespace tide::cuda {
+class CudaGroup;
+}
+
+namespace tide::torch_backend {
+
+class CudaPath {
+ public:
+  // All ranks' fingerprints, in rank order, given this rank's (a host all-gather).
+  using Exchange = std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
+
+  CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
+           std::chrono::milliseconds timeout, Exchange exchange);
+  ~CudaPath();
+  CudaPath(const CudaPath&) = delete;
+  CudaPath& operator=(const CudaPath&) = delete;
+
+  // Collective: CUDA symmetric memory (every rank's part mapped by every rank) on `device`.
+  std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes, int device);
+  // `outputs` are the tensors the collective writes (the Work's result). Both run on the
+  // caller's current stream of `device`.
+  c10::intrusive_ptr<c10d::Work> param_all_gather(const tide::ParamAllGather& args,
+                                                  std::vector<at::Tensor> outputs, int device);
+  c10::intrusive_ptr<c10d::Work> param_reduce_scatter(const tide::ParamReduceScatter& args,
+                                                      std::vector<at::Tensor> outputs, int device,
+                                                      tide::StagingReport* report);
+
+  // Shared with the Works and the watchdog: the first failure, if any.
+  struct Health {
+    std::mutex mutex;
+    std::string error;  // empty while healthy
+    std::string get() {
+      std::lock_guard<std::mutex> lock(mutex);
+      return error;
+    }
+  };
+
+ private:
+  tide::cuda::CudaGroup& group(int device, const char* collective);
+  void check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
+                          tide::DType from, tide::DType to, int op);
+  c10::intrusive_ptr<c10d::Work> finish(const char* collective, c10d::OpType type,
+                                        std::vector<at::Tensor> outputs, int device);
+  void watchdog_loop();
+
+  std::shared_ptr<tide::Store> store_;
+  std::string ns_;
+  int rank_, ws_;
+  std::chrono::milliseconds timeout_;
+  Exchange exchange_;
+  std::unique_ptr<tide::cuda::CudaGroup> group_;
+  std::shared_ptr<Health> health_ = std::make_shared<Health>();
+  uint64_t seq_ = 0;
+
+  struct Pending {
+    std::shared_ptr<void> event;  // a cudaEvent_t, destroyed with its last owner
+    std::chrono::steady_clock::time_point deadline;
+    std::string what;
+  };
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  bool stop_ = false;
+  std::thread watchdog_;
+};
+
+}  // namespace tide::torch_backend
