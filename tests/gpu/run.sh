@@ -4,7 +4,8 @@
 #   1. configure + build tide_core/tide_cuda (sm_90, no torch; GoogleTest tests only if found)
 #   2. build the GoogleTest-free selftest (tests/gpu/selftest_main.cpp) against them
 #   3. run the CUDA scenarios (symmetric memory, TIDE-AG, TIDE-RS, errors) at ws 1, 2, 4,
-#      every rank a process on GPU 0; then tide_cuda_tests if GoogleTest was found
+#      every rank a process on GPU 0 (and ws 2 again with cudaIpc symmetric memory instead
+#      of cuMemCreate); then tide_cuda_tests if GoogleTest was found
 #   4. build benchmarks/gpu/bench_cuda.cu with nvcc and run it: JSON with docs/model.md's
 #      --calibrate keys in benchmarks/results/cuda_<gpu>.json (and $OUT when set)
 #   5. build tide._C (with its CUDA path) against the machine's torch and run the CUDA
@@ -50,7 +51,8 @@ run g++ -std=c++20 -O2 -Iinclude -I"$cuda/include" tests/gpu/selftest_main.cpp \
 echo "== 3. GPU tests (ws 1 2 4)" >&2
 status=0
 TIDE_DEBUG=1 run timeout 60 "$build/tide_cuda_selftest" probe || status=$?
-run timeout 300 "$build/tide_cuda_selftest" 1 2 4 || status=$?
+run timeout 300 "$build/tide_cuda_selftest" 1 2 4 || status=$?  # vmm symmetric memory where supported
+TIDE_CUDA_SYMMETRIC=ipc run timeout 120 "$build/tide_cuda_selftest" 2 || status=$?
 if [ "$tests" = ON ]; then
   run timeout 300 "$build/tide_cuda_tests" || status=$?
 fi

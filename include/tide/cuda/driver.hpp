@@ -20,6 +20,7 @@ struct Driver {
   TIDE_DRIVER_FN(cuMulticastUnbind)
   TIDE_DRIVER_FN(cuMulticastGetGranularity)
   TIDE_DRIVER_FN(cuMemCreate)
+  TIDE_DRIVER_FN(cuMemGetAllocationGranularity)
   TIDE_DRIVER_FN(cuMemRelease)
   TIDE_DRIVER_FN(cuMemMap)
   TIDE_DRIVER_FN(cuMemUnmap)

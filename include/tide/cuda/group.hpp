@@ -68,6 +68,8 @@ class CudaGroup {
   const CudaGroupOptions& options() const { return opt_; }
   const Capabilities& caps() const { return caps_; }
   const PathChoice& allgather_path() const { return ag_path_; }
+  // "vmm" (cuMemCreate, fds over a Unix socket) or "ipc" (cudaMalloc + cudaIpc handles).
+  const char* symmetric_kind() const { return fds_ ? "vmm" : "ipc"; }
 
   // Collective: every rank passes the size of its own part.
   std::shared_ptr<CudaSymmetricBuffer> allocate_symmetric(size_t bytes);
@@ -120,6 +122,7 @@ class CudaGroup {
   PathChoice ag_path_;
   cudaStream_t copy_ = nullptr, compute_ = nullptr, side_ = nullptr, abort_stream_ = nullptr;
   cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr};
+  std::unique_ptr<FdChannel> fds_;  // set when symmetric memory is vmm (cuMemCreate + fds)
   std::shared_ptr<CudaSymmetricBuffer> control_, staging_, scratch_;
   int num_slots_ = 2, rs_ctas_ = 8;
   size_t slot_bytes_ = 0, piece_bytes_ = 0;

@@ -1,13 +1,19 @@
-// Symmetric device memory across the processes of one node.
+// Symmetric device memory across the processes of one node: every rank allocates its own
+// part and maps every peer's. Two mechanisms, chosen per group (CudaGroup, TIDE_CUDA_SYMMETRIC):
 //
-// CudaSymmetricBuffer: every rank cudaMallocs its own part, exports it with
-// cudaIpcGetMemHandle, publishes the handle through the Store, and opens every peer's handle
-// (cudaIpcOpenMemHandle; a process cannot open its own handle, so its own part is its own
-// pointer). Several ranks on the SAME device in different processes work the same way:
-// IPC handles are per process, not per device. A store barrier ends the allocation.
-// Teardown closes the peers' mappings, then waits (store barrier, bounded) until every
-// rank has closed its mappings of this rank's part, then frees it; if a peer never
-// arrives the part is leaked rather than freed under a peer's feet.
+// vmm (default where every rank's device supports it): cuMemCreate with POSIX-fd shareable
+//   handles; the fd travels to each peer over an FdChannel (SCM_RIGHTS), which imports it
+//   (cuMemImportFromShareableHandle) and maps it into its own address reservation
+//   (cuMemAddressReserve / cuMemMap / cuMemSetAccess). The driver keeps the physical memory
+//   while any process maps it, so teardown needs no rendezvous: each rank unmaps and
+//   releases on its own.
+// ipc: cudaMalloc + cudaIpcGetMemHandle published through the Store, cudaIpcOpenMemHandle by
+//   each peer (a process cannot open its own handle, so its own part is its own pointer).
+//   Teardown closes the peers' mappings, then waits (store barrier, bounded) until every rank
+//   has closed its mappings of this rank's part before freeing it; if a peer never arrives
+//   the part is leaked rather than freed under a peer's feet.
+// Several ranks on the SAME device in different processes work either way: handles are per
+// process, not per device. A store barrier ends every allocation.
 //
 // MulticastBuffer (NVSwitch multicast, cuMulticast*): one multicast object bound to a
 // cuMemCreate allocation on every rank's device, mapped as a unicast (this rank's
@@ -24,6 +30,7 @@
 #include <cuda.h>
 
 #include "tide/comm.hpp"
+#include "tide/fd_channel.hpp"
 #include "tide/store.hpp"
 
 namespace tide::cuda {
@@ -35,10 +42,12 @@ void store_barrier(Store& store, const std::string& key, int world_size,
 class CudaSymmetricBuffer final : public SymmetricBuffer {
  public:
   // Collective over the `world_size` ranks using `key` (unique per allocation, the same on
-  // every rank). `bytes` is this rank's part (0 allowed). The part is zero-filled.
+  // every rank). `bytes` is this rank's part (0 allowed). The part is zero-filled, on the
+  // current device. With `fds` the vmm mechanism, without it ipc (the same on every rank).
   static std::shared_ptr<CudaSymmetricBuffer> allocate(std::shared_ptr<Store> store, const std::string& key,
                                                        int rank, int world_size, size_t bytes,
-                                                       std::chrono::milliseconds timeout);
+                                                       std::chrono::milliseconds timeout,
+                                                       FdChannel* fds = nullptr);
   ~CudaSymmetricBuffer() override;
   CudaSymmetricBuffer(const CudaSymmetricBuffer&) = delete;
   CudaSymmetricBuffer& operator=(const CudaSymmetricBuffer&) = delete;
@@ -63,16 +72,21 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::vector<size_t> sizes_;
   void* own_ = nullptr;
   bool leak_ = false;
+  // vmm only: per rank, the imported (or own) allocation handle and the mapped size.
+  bool vmm_ = false;
+  std::vector<CUmemGenericAllocationHandle> handles_;
+  std::vector<size_t> mapped_;
+  void allocate_vmm(size_t bytes, FdChannel& fds);
+  void destroy_vmm();
 };
 
 class MulticastBuffer {
  public:
   // Collective. Every rank must be on its own device with caps multicast + vmm + POSIX fd.
-  // Rank 0 creates the multicast object and exports it as a POSIX fd; peers take it with
-  // pidfd_getfd (Linux >= 5.6; needs ptrace permission over rank 0's process).
+  // Rank 0 creates the multicast object and sends it, as a POSIX fd, over `fds`.
   static std::unique_ptr<MulticastBuffer> create(std::shared_ptr<Store> store, const std::string& key,
                                                  int rank, int world_size, int device, size_t bytes,
-                                                 std::chrono::milliseconds timeout);
+                                                 std::chrono::milliseconds timeout, FdChannel& fds);
   ~MulticastBuffer();
   void* unicast() const { return reinterpret_cast<void*>(uc_va_); }
   void* multicast() const { return reinterpret_cast<void*>(mc_va_); }

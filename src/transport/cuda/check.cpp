@@ -66,6 +66,7 @@ const Driver* try_driver() {
     TIDE_RESOLVE(cuMulticastUnbind, 12010);
     TIDE_RESOLVE(cuMulticastGetGranularity, 12010);
     TIDE_RESOLVE(cuMemCreate, 12000);
+    TIDE_RESOLVE(cuMemGetAllocationGranularity, 12000);
     TIDE_RESOLVE(cuMemRelease, 12000);
     TIDE_RESOLVE(cuMemMap, 12000);
     TIDE_RESOLVE(cuMemUnmap, 12000);

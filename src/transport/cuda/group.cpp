@@ -25,6 +25,15 @@ const char* flag_name(CudaGroup::FlagId f) {
   }
 }
 
+// TIDE_CUDA_SYMMETRIC: auto (vmm where every rank can), vmm, ipc.
+std::string symmetric_from_env() {
+  const char* v = std::getenv("TIDE_CUDA_SYMMETRIC");
+  const std::string s = v && *v ? v : "auto";
+  TIDE_CHECK(s == "auto" || s == "vmm" || s == "ipc", "tide: TIDE_CUDA_SYMMETRIC='", s,
+             "' is not 'auto', 'vmm' or 'ipc'");
+  return s;
+}
+
 SyncMode sync_from_env(int opt) {
   if (opt == 0) return SyncMode::device;
   if (opt == 1) return SyncMode::host;
@@ -51,16 +60,27 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   TIDE_CUDA_CHECK(cudaSetDevice(device_));
   TIDE_CUDA_CHECK(cudaFree(nullptr));  // create the primary context: driver calls need it
 
-  // Which device every rank is on decides the all-gather path.
+  // Which device every rank is on decides the all-gather path; whether every rank's device
+  // has virtual memory management with POSIX-fd handles decides the symmetric memory.
+  const std::string want = symmetric_from_env();
+  const DeviceCaps& dc = caps_.devices[device_];
+  const bool vmm_here = dc.vmm && dc.posix_fd_handles;
+  TIDE_CHECK(want != "vmm" || vmm_here, "tide: cuda: rank ", rank_, ": TIDE_CUDA_SYMMETRIC=vmm but device ", device_,
+             " lacks virtual memory management with POSIX fd handles");
   const std::string dkey = ns_ + "/cuda/device/";
-  store_->set(dkey + std::to_string(rank_), std::vector<uint8_t>{static_cast<uint8_t>(device_)});
+  store_->set(dkey + std::to_string(rank_),
+              std::vector<uint8_t>{static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here)});
   std::vector<int> devices(ws_);
+  bool vmm_everywhere = true;
   for (int r = 0; r < ws_; ++r) {
     std::vector<uint8_t> v = store_->get(dkey + std::to_string(r), opt_.timeout);
-    TIDE_CHECK(v.size() == 1, "tide: cuda: rank ", rank_, ": bad device record of rank ", r);
+    TIDE_CHECK(v.size() == 2, "tide: cuda: rank ", rank_, ": bad device record of rank ", r);
     devices[r] = v[0];
+    vmm_everywhere = vmm_everywhere && v[1];
   }
   ag_path_ = choose_allgather_path(caps_, devices);
+  // The same decision on every rank: it depends only on what all ranks published.
+  if (want != "ipc" && vmm_everywhere) fds_ = std::make_unique<FdChannel>(*store_, ns_ + "/cuda", rank_, ws_, opt_.timeout);
 
   opt_.staging_bytes = opt_.staging_bytes ? opt_.staging_bytes : env::get_bytes("TIDE_CUDA_STAGING_BYTES", 32u << 20);
   rs_ctas_ = opt_.rs_ctas > 0 ? opt_.rs_ctas : static_cast<int>(env::get_int("TIDE_RS_CTAS", 8));
@@ -105,8 +125,8 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   barrier();
   env::log(detail::concat("cuda: rank ", rank_, "/", ws_, " on device ", device_, ": ", slot_bytes_, "-byte slots x ",
                           num_slots_, ", ", rs_ctas_, " accumulate CTAs, ",
-                          mode_ == SyncMode::device ? "device" : "host", " flags, all-gather path ",
-                          path_name(ag_path_.path)));
+                          mode_ == SyncMode::device ? "device" : "host", " flags, ",
+                          fds_ ? "vmm" : "ipc", " symmetric memory, all-gather path ", path_name(ag_path_.path)));
 }
 
 CudaGroup::~CudaGroup() {
@@ -132,7 +152,7 @@ CudaGroup::~CudaGroup() {
 std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes) {
   TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": group unusable after an earlier failure: ", broken_why());
   return CudaSymmetricBuffer::allocate(store_, ns_ + "/cuda/sym/" + std::to_string(alloc_seq_++), rank_, ws_, bytes,
-                                       opt_.timeout);
+                                       opt_.timeout, fds_.get());
 }
 
 void CudaGroup::barrier() {

@@ -1,10 +1,11 @@
 // Symmetric device memory across the processes of one node (include/tide/cuda/symmetric.hpp).
 #include "tide/cuda/symmetric.hpp"
 
-#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "../../core/env.hpp"
@@ -48,7 +49,8 @@ void store_barrier(Store& store, const std::string& key, int world_size, std::ch
 std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_ptr<Store> store,
                                                                    const std::string& key, int rank,
                                                                    int world_size, size_t bytes,
-                                                                   std::chrono::milliseconds timeout) {
+                                                                   std::chrono::milliseconds timeout,
+                                                                   FdChannel* fds) {
   TIDE_CHECK(store && world_size >= 1 && rank >= 0 && rank < world_size, "tide: cuda: rank ", rank,
              ": bad symmetric allocation arguments (world size ", world_size, ")");
   std::shared_ptr<CudaSymmetricBuffer> b(new CudaSymmetricBuffer());
@@ -62,6 +64,10 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   int dev = 0;
   TIDE_CUDA_CHECK(cudaGetDevice(&dev));
   b->device_ = dev;
+  if (fds) {
+    b->allocate_vmm(bytes, *fds);
+    return b;
+  }
   // Always allocate something (a zero-byte part still needs a handle to exchange).
   const size_t alloc = bytes ? bytes : 256;
   void* p = nullptr;
@@ -98,8 +104,111 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   return b;
 }
 
+// What a rank publishes for its vmm part (the fd goes through the FdChannel).
+struct VmmRecord {
+  uint64_t bytes;    // the part's size as asked
+  uint64_t mapped;   // rounded up to the allocation granularity
+  int32_t device;
+  int32_t pid;
+};
+
+void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
+  const Driver& drv = driver();
+  TIDE_CHECK(drv.cuMemCreate && drv.cuMemGetAllocationGranularity && drv.cuMemExportToShareableHandle &&
+                 drv.cuMemImportFromShareableHandle && drv.cuMemMap && drv.cuMemSetAccess && drv.cuMemAddressReserve,
+             "tide: cuda: rank ", rank_, ": the driver lacks the virtual memory entry points (TIDE_CUDA_SYMMETRIC=ipc)");
+  vmm_ = true;
+  handles_.assign(world_size_, 0);
+  mapped_.assign(world_size_, 0);
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device_;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  size_t gran = 0;
+  TIDE_CU_CHECK(drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;  // this rank's device reads and writes every part
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  auto map = [&](int r, CUmemGenericAllocationHandle h, size_t size) {
+    handles_[r] = h;  // owned from here: destroy_vmm releases it
+    CUdeviceptr va = 0;
+    TIDE_CU_CHECK(drv.cuMemAddressReserve(&va, size, gran, 0, 0));
+    if (const CUresult m = drv.cuMemMap(va, size, 0, h, 0); m != CUDA_SUCCESS) {
+      (void)drv.cuMemAddressFree(va, size);
+      TIDE_CU_CHECK(m);
+    }
+    ptrs_[r] = reinterpret_cast<std::byte*>(va);
+    mapped_[r] = size;  // mapped and reserved: destroy_vmm unmaps and frees both
+    TIDE_CU_CHECK(drv.cuMemSetAccess(va, size, &access, 1));
+  };
+
+  const size_t size = (std::max<size_t>(bytes, 1) + gran - 1) / gran * gran;
+  CUmemGenericAllocationHandle own = 0;
+  TIDE_CU_CHECK(drv.cuMemCreate(&own, size, &prop, 0));
+  map(rank_, own, size);
+  sizes_[rank_] = bytes;
+  TIDE_CUDA_CHECK(cudaMemset(ptrs_[rank_], 0, size));  // synchronous w.r.t. the host: zero before peers look
+
+  VmmRecord mine{bytes, size, device_, static_cast<int32_t>(::getpid())};
+  store_->set(key_ + "/vmm/" + std::to_string(rank_), as_bytes(&mine, sizeof mine));
+  const uint64_t tag = std::hash<std::string>{}(key_);
+  if (world_size_ > 1) {
+    int fd = -1;
+    TIDE_CU_CHECK(drv.cuMemExportToShareableHandle(&fd, own, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    try {
+      for (int r = 0; r < world_size_; ++r)
+        if (r != rank_) fds.send(r, tag, fd);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);
+  }
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_) continue;
+    std::vector<uint8_t> v = store_->get(key_ + "/vmm/" + std::to_string(r), timeout_);
+    TIDE_CHECK(v.size() == sizeof(VmmRecord), "tide: cuda: rank ", rank_, ": bad symmetric record from rank ", r,
+               " under '", key_, "' (", v.size(), " bytes)");
+    VmmRecord rec;
+    std::memcpy(&rec, v.data(), sizeof rec);
+    const int pfd = fds.receive(r, tag);
+    CUmemGenericAllocationHandle h = 0;
+    const CUresult imported = drv.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(pfd)),
+                                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    ::close(pfd);  // the handle holds the memory now
+    TIDE_CU_CHECK(imported);
+    map(r, h, rec.mapped);
+    sizes_[r] = rec.bytes;
+  }
+  store_barrier(*store_, key_ + "/opened", world_size_, timeout_, rank_);
+  env::log(detail::concat("cuda: rank ", rank_, ": symmetric '", key_, "' ", bytes, " bytes (vmm, ", size,
+                          " mapped) on device ", device_, " mapped by ", world_size_, " ranks"));
+}
+
+void CudaSymmetricBuffer::destroy_vmm() {
+  const Driver* d = try_driver();
+  if (!d) return;
+  // Our streams may still read or write these mappings (cudaFree would wait for them too).
+  if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+  for (int r = 0; r < world_size_; ++r) {
+    const auto va = reinterpret_cast<CUdeviceptr>(ptrs_[r]);
+    if (va && mapped_[r]) {
+      (void)d->cuMemUnmap(va, mapped_[r]);
+      (void)d->cuMemAddressFree(va, mapped_[r]);
+    }
+    if (handles_[r]) (void)d->cuMemRelease(handles_[r]);  // physical memory goes with the last holder
+  }
+}
+
 CudaSymmetricBuffer::~CudaSymmetricBuffer() {
-  // Never throws. Close what we opened, then free our part once every peer closed theirs.
+  // Never throws.
+  if (vmm_) {
+    if (!leak_) destroy_vmm();  // after an abort a stream may still wait on this memory
+    return;
+  }
+  // ipc: close what we opened, then free our part once every peer closed theirs.
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_ || !ptrs_[r]) continue;
     if (cudaIpcCloseMemHandle(ptrs_[r]) != cudaSuccess) (void)cudaGetLastError();
@@ -140,26 +249,9 @@ void CudaSymmetricBuffer::release(size_t offset, size_t n) {
 
 // ---- multicast (structural: needs NVSwitch, one device per rank) ------------------------
 
-namespace {
-int take_fd(int pid, int fd, int rank) {
-#if defined(SYS_pidfd_open) && defined(SYS_pidfd_getfd)
-  const int pfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-  TIDE_CHECK(pfd >= 0, "tide: cuda: rank ", rank, ": pidfd_open(", pid, ") failed: ", std::strerror(errno));
-  const int got = static_cast<int>(::syscall(SYS_pidfd_getfd, pfd, fd, 0));
-  const int err = errno;
-  ::close(pfd);
-  TIDE_CHECK(got >= 0, "tide: cuda: rank ", rank, ": pidfd_getfd(", pid, ", ", fd, ") failed: ", std::strerror(err),
-             " (needs ptrace permission over the peer)");
-  return got;
-#else
-  throw Error(detail::concat("tide: cuda: rank ", rank, ": pidfd_getfd unavailable; cannot share a multicast handle"));
-#endif
-}
-}  // namespace
-
 std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> store, const std::string& key,
                                                          int rank, int world_size, int device, size_t bytes,
-                                                         std::chrono::milliseconds timeout) {
+                                                         std::chrono::milliseconds timeout, FdChannel& fds) {
   const Driver& drv = driver();
   TIDE_CHECK(drv.cuMulticastCreate && drv.cuMulticastAddDevice && drv.cuMulticastBindMem && drv.cuMulticastUnbind &&
                  drv.cuMulticastGetGranularity,
@@ -177,20 +269,16 @@ std::unique_ptr<MulticastBuffer> MulticastBuffer::create(std::shared_ptr<Store> 
   const size_t size = (bytes + gran - 1) / gran * gran;
   mp.size = size;
   m->size_ = size;
+  const uint64_t tag = std::hash<std::string>{}(key + "/mc");
   if (rank == 0) {
     TIDE_CU_CHECK(driver().cuMulticastCreate(&m->mc_, &mp));
     m->mc_created_ = true;
     int fd = -1;
     TIDE_CU_CHECK(driver().cuMemExportToShareableHandle(&fd, m->mc_, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
     m->mc_fd_ = fd;
-    int32_t rec[2] = {static_cast<int32_t>(::getpid()), fd};
-    store->set(key + "/mc", as_bytes(rec, sizeof rec));
+    for (int r = 1; r < world_size; ++r) fds.send(r, tag, fd);
   } else {
-    std::vector<uint8_t> v = store->get(key + "/mc", timeout);
-    TIDE_CHECK(v.size() == 8, "tide: cuda: rank ", rank, ": bad multicast record");
-    int32_t rec[2];
-    std::memcpy(rec, v.data(), 8);
-    m->mc_fd_ = take_fd(rec[0], rec[1], rank);
+    m->mc_fd_ = fds.receive(0, tag);
     TIDE_CU_CHECK(driver().cuMemImportFromShareableHandle(&m->mc_, reinterpret_cast<void*>(static_cast<intptr_t>(m->mc_fd_)),
                                                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
     m->mc_created_ = true;

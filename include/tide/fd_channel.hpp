@@ -1,0 +1,49 @@
+// Passing file descriptors between the processes of one host. CUDA's shareable handles
+// (cuMemCreate / cuMulticastCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) are fds
+// that only mean something in the process that holds them, so a peer must be handed the fd
+// itself: SCM_RIGHTS over a Unix datagram socket. (pidfd_getfd would need ptrace rights
+// over a sibling process, which Yama's default ptrace_scope=1 refuses.)
+//
+// Each rank binds a socket in the abstract namespace (nothing on the file system; it goes
+// with the process), named after the group, the rank and the pid, and publishes the name
+// through the store. Every message carries a tag and the sender's rank, so a fast rank's
+// next exchange is kept aside, never mistaken for the current one. Sends and receives give
+// up with tide::TimeoutError naming the rank, the peer and the tag.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tide/store.hpp"
+
+namespace tide {
+
+class FdChannel {
+ public:
+  // Collective over the group's `world_size` ranks (each publishes its address, then reads
+  // every peer's).
+  FdChannel(Store& store, const std::string& ns, int rank, int world_size,
+            std::chrono::milliseconds timeout);
+  ~FdChannel();
+  FdChannel(const FdChannel&) = delete;
+  FdChannel& operator=(const FdChannel&) = delete;
+
+  // Sends a duplicate of `fd` (the caller keeps its own) to `peer` under `tag`.
+  void send(int peer, uint64_t tag, int fd);
+  // The fd `peer` sent under `tag`; the caller owns it (close it).
+  int receive(int peer, uint64_t tag);
+
+  int rank() const { return rank_; }
+
+ private:
+  int rank_, world_size_;
+  std::chrono::milliseconds timeout_;
+  int sock_ = -1;
+  std::vector<std::string> addresses_;          // abstract names, without the leading NUL
+  std::map<std::pair<uint64_t, int>, int> early_;  // (tag, sender) -> fd, received ahead
+};
+
+}  // namespace tide

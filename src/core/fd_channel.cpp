@@ -1,0 +1,142 @@
+// File descriptors between the processes of one host (include/tide/fd_channel.hpp).
+#include "tide/fd_channel.hpp"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <thread>
+
+#include "tide/error.hpp"
+
+namespace tide {
+namespace {
+
+struct Header {
+  uint64_t tag;
+  int32_t sender;
+  int32_t pad;
+};
+
+sockaddr_un make_address(const std::string& name, socklen_t* len) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  // Abstract namespace: sun_path starts with NUL; the length says where the name ends.
+  TIDE_CHECK(name.size() + 1 <= sizeof a.sun_path, "tide: fd channel name too long: ", name);
+  std::memcpy(a.sun_path + 1, name.data(), name.size());
+  *len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return a;
+}
+
+}  // namespace
+
+FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_size,
+                     std::chrono::milliseconds timeout)
+    : rank_(rank), world_size_(world_size), timeout_(timeout), addresses_(world_size) {
+  TIDE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "tide: fd channel: bad rank ", rank,
+             " of world size ", world_size);
+  sock_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  TIDE_CHECK(sock_ >= 0, "tide: fd channel: rank ", rank, ": socket failed: ", std::strerror(errno));
+  const std::string mine = detail::concat("tide-fd/", ns, "/", rank, "/", ::getpid());
+  socklen_t len = 0;
+  sockaddr_un addr = make_address(mine, &len);
+  if (::bind(sock_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    const int err = errno;
+    ::close(sock_);
+    throw Error(detail::concat("tide: fd channel: rank ", rank, ": bind '", mine, "' failed: ", std::strerror(err)));
+  }
+  const std::string key = "tide-fd/" + ns + "/";
+  store.set(key + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  for (int r = 0; r < world_size; ++r) {
+    std::vector<uint8_t> v = store.get(key + std::to_string(r), timeout);
+    addresses_[r].assign(v.begin(), v.end());
+  }
+}
+
+FdChannel::~FdChannel() {
+  for (auto& [k, fd] : early_) ::close(fd);
+  if (sock_ >= 0) ::close(sock_);
+}
+
+void FdChannel::send(int peer, uint64_t tag, int fd) {
+  TIDE_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "tide: fd channel: rank ", rank_, ": bad peer ", peer);
+  socklen_t len = 0;
+  sockaddr_un to = make_address(addresses_[peer], &len);
+  Header h{tag, rank_, 0};
+  iovec iov{&h, sizeof h};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_name = &to;
+  msg.msg_namelen = len;
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
+  // Non-blocking with a deadline: a peer whose queue is full (or that is gone) must not
+  // hang this rank.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto nap = std::chrono::microseconds(50);
+  for (;;) {
+    if (::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof h)) return;
+    const int err = errno;
+    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && err != ECONNREFUSED)
+      throw Error(detail::concat("tide: fd channel: rank ", rank_, ": sending tag ", tag, " to rank ", peer,
+                                 " failed: ", std::strerror(err)));
+    if (std::chrono::steady_clock::now() > deadline)
+      throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": rank ", peer, " did not take tag ", tag,
+                                        " within ", timeout_.count(), " ms (", std::strerror(err), ")"));
+    std::this_thread::sleep_for(nap);
+    if (nap < std::chrono::milliseconds(2)) nap *= 2;
+  }
+}
+
+int FdChannel::receive(int peer, uint64_t tag) {
+  TIDE_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "tide: fd channel: rank ", rank_, ": bad peer ", peer);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    if (auto it = early_.find({tag, peer}); it != early_.end()) {
+      const int fd = it->second;
+      early_.erase(it);
+      return fd;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0)
+      throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": nothing from rank ", peer, " under tag ",
+                                        tag, " within ", timeout_.count(), " ms"));
+    pollfd p{sock_, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 1000)));
+    if (ready <= 0) continue;
+    Header h{};
+    iovec iov{&h, sizeof h};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    const ssize_t n = ::recvmsg(sock_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      throw Error(detail::concat("tide: fd channel: rank ", rank_, ": recvmsg failed: ", std::strerror(errno)));
+    }
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    int fd = -1;
+    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    TIDE_CHECK(n == static_cast<ssize_t>(sizeof h) && fd >= 0 && !(msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)),
+               "tide: fd channel: rank ", rank_, ": a malformed message (", n, " bytes, fd ", fd, ")");
+    if (auto [it, fresh] = early_.emplace(std::make_pair(h.tag, static_cast<int>(h.sender)), fd); !fresh) {
+      ::close(fd);  // a duplicate (tag, sender): keep the first
+    }
+  }
+}
+
+}  // namespace tide
