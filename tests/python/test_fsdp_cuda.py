@@ -43,26 +43,15 @@ def _fsdp_shard(full, rank, ws, padded_numel):
     return out
 
 
-def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
-    """param_all_gather and param_reduce_scatter called on the backend directly."""
-    import os
-    import time
-
-    import torch.distributed as dist
-
+def _all_gather_setup(rank, ws, backend, dev, shapes, seed):
+    """A planner layout for `shapes`, this rank's FSDP2 shards in CUDA symmetric memory, the
+    full tensors (the same on every rank) and NaN-poisoned unsharded storages."""
     import tide
 
-    dev = _set_device(rank)
-    backend = dist.group.WORLD._get_backend(dev)
-    shapes = list(SHAPES)
-    if mismatch and rank == 1:
-        shapes[0] = (36, 5)
     plan = tide._C.plan
     layout = plan.plan_group([plan.Param(list(s), 4, 0) for s in shapes], ws)
     gen = torch.Generator().manual_seed(seed)
-    fulls = [torch.randn(s, generator=gen) for s in shapes]  # the same on every rank
-
-    # TIDE-AG: shards in CUDA symmetric memory, storages poisoned with NaN.
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
     offsets, total = [], 0
     for lp in layout.params:
         offsets.append(total)
@@ -73,6 +62,22 @@ def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
         shards.tensor(rank, off, lp.padded_shard_numel, torch.float32).copy_(
             _fsdp_shard(full, rank, ws, lp.padded_shard_numel).to(dev))
     storages = [torch.full((lp.storage_numel,), float("nan"), device=dev) for lp in layout.params]
+    return layout, shards, offsets, fulls, storages
+
+
+def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
+    """param_all_gather and param_reduce_scatter called on the backend directly."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    dev = _set_device(rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    shapes = list(SHAPES)
+    if mismatch and rank == 1:
+        shapes[0] = (36, 5)
+    layout, shards, offsets, fulls, storages = _all_gather_setup(rank, ws, backend, dev, shapes, seed)
     if die and rank == 1:
         os._exit(0)  # a peer that never arrives: the others must time out, not hang
     start = time.monotonic()
@@ -109,13 +114,42 @@ def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
                         backend.last_staging_report().slot_bytes))
 
 
-@pytest.mark.parametrize("ws", [1, 2, 4])
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ws, grad_dtype", [(1, torch.float32), (2, torch.float32),
+                                            (2, torch.bfloat16), (4, torch.bfloat16),
+                                            (8, torch.float32)])
 def test_param_collectives_match_references(ws, grad_dtype):
     for res in run_ranks(direct_worker, ws, 7, grad_dtype):
         assert all(res["gathered_ok"]), res["gathered_ok"]
         assert res["rs_bitwise"], f"not the rank-order fp32 sum (max error {res['rs_err']})"
         assert res["rs_err"] < 1e-4
+
+
+def no_kernel_worker(rank, ws):
+    """The CUDA kernels the profiler (CUPTI) sees while TIDE-AG runs, equal dtypes."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = _set_device(rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    layout, shards, offsets, fulls, storages = _all_gather_setup(rank, ws, backend, dev, SHAPES, 11)
+    backend.param_all_gather(layout, shards, offsets, torch.float32, storages).wait()  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        backend.param_all_gather(layout, shards, offsets, torch.float32, storages).wait()
+        torch.cuda.synchronize()
+    gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [n for n in gpu if "memcpy" not in n.lower() and "memset" not in n.lower()]
+    copies = [n for n in gpu if "memcpy" in n.lower()]
+    ok = [torch.equal(st[: f.numel()].cpu(), f.reshape(-1)) for st, f in zip(storages, fulls)]
+    return dict(kernels=kernels, copies=len(copies), ok=all(ok))
+
+
+def test_all_gather_launches_no_kernel():
+    """Copy engines only: the profiler sees copies and not a single kernel."""
+    for res in run_ranks(no_kernel_worker, 2):
+        assert res["ok"]
+        assert res["copies"] > 0, "the profiler saw no copies: it did not record the device"
+        assert not res["kernels"], f"kernels on the all-gather path: {res['kernels']}"
 
 
 def test_mismatched_calls_raise_on_every_rank():
