@@ -39,6 +39,8 @@ class FdChannel {
   int rank() const { return rank_; }
 
  private:
+  bool take_one();  // one waiting message into early_; false when none is waiting
+
   int rank_, world_size_;
   std::chrono::milliseconds timeout_;
   int sock_ = -1;

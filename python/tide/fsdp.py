@@ -359,8 +359,9 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     grads = [g.contiguous() for g in unsharded_grads]
     if device.type == "cuda":
         return _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets,
-                                    padded, reduce_scatter_stream, reduce_dtype, rs_op,
-                                    postdivide, orig_dtype, all_reduce_hook, backend, device)
+                                    padded, reduce_scatter_stream, all_reduce_stream,
+                                    reduce_dtype, rs_op, postdivide, orig_dtype, all_reduce_hook,
+                                    backend, device)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
     work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
@@ -387,8 +388,8 @@ def _reduce_scatter_done(fsdp_params, backend, device):
 
 
 def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
-                         reduce_scatter_stream, reduce_dtype, rs_op, postdivide, orig_dtype,
-                         all_reduce_hook, backend, device):
+                         reduce_scatter_stream, all_reduce_stream, reduce_dtype, rs_op,
+                         postdivide, orig_dtype, all_reduce_hook, backend, device):
     """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
     backward compute that made the gradients, and with events for FSDP2 to wait on."""
     reduce_scatter_stream.wait_stream(torch.cuda.current_stream(device))
@@ -403,9 +404,15 @@ def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offset
         _reduce_scatter_done(fsdp_params, backend, device)
         del grads
         unsharded_grads.clear()
+    # As stock: a user's all-reduce hook and what follows run on the all-reduce stream.
+    post_reduce_stream = reduce_scatter_stream
+    if all_reduce_hook is not None:
+        all_reduce_stream.wait_stream(reduce_scatter_stream)
+        post_reduce_stream = all_reduce_stream
+    with torch.cuda.stream(post_reduce_stream):
         _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide,
                                   orig_dtype, all_reduce_hook)
-        post_reduce_event = reduce_scatter_stream.record_event()
+        post_reduce_event = post_reduce_stream.record_event()
     return (torch.empty(0, device=device), reduce_scatter_event, post_reduce_event, None, None,
             None)
 

@@ -94,6 +94,10 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
     if (std::chrono::steady_clock::now() > deadline)
       throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": rank ", peer, " did not take tag ", tag,
                                         " within ", timeout_.count(), " ms (", std::strerror(err), ")"));
+    // The peer's queue is full, perhaps because it is itself stuck sending to us: take what
+    // is waiting here, so that every rank sending to every other cannot deadlock.
+    while (take_one()) {
+    }
     std::this_thread::sleep_for(nap);
     if (nap < std::chrono::milliseconds(2)) nap *= 2;
   }
@@ -113,30 +117,34 @@ int FdChannel::receive(int peer, uint64_t tag) {
       throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": nothing from rank ", peer, " under tag ",
                                         tag, " within ", timeout_.count(), " ms"));
     pollfd p{sock_, POLLIN, 0};
-    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 1000)));
-    if (ready <= 0) continue;
-    Header h{};
-    iovec iov{&h, sizeof h};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    const ssize_t n = ::recvmsg(sock_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      throw Error(detail::concat("tide: fd channel: rank ", rank_, ": recvmsg failed: ", std::strerror(errno)));
-    }
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    int fd = -1;
-    if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-    TIDE_CHECK(n == static_cast<ssize_t>(sizeof h) && fd >= 0 && !(msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)),
-               "tide: fd channel: rank ", rank_, ": a malformed message (", n, " bytes, fd ", fd, ")");
-    if (auto [it, fresh] = early_.emplace(std::make_pair(h.tag, static_cast<int>(h.sender)), fd); !fresh) {
-      ::close(fd);  // a duplicate (tag, sender): keep the first
-    }
+    if (::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 1000))) > 0) take_one();
   }
+}
+
+bool FdChannel::take_one() {
+  Header h{};
+  iovec iov{&h, sizeof h};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  const ssize_t n = ::recvmsg(sock_, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (n < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
+    throw Error(detail::concat("tide: fd channel: rank ", rank_, ": recvmsg failed: ", std::strerror(errno)));
+  }
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  int fd = -1;
+  if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  if (n != static_cast<ssize_t>(sizeof h) || fd < 0 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
+    if (fd >= 0) ::close(fd);
+    throw Error(detail::concat("tide: fd channel: rank ", rank_, ": a malformed message (", n, " bytes)"));
+  }
+  if (auto [it, fresh] = early_.emplace(std::make_pair(h.tag, static_cast<int>(h.sender)), fd); !fresh)
+    ::close(fd);  // a duplicate (tag, sender): keep the first
+  return true;
 }
 
 }  // namespace tide

@@ -43,9 +43,9 @@ def _fsdp_shard(full, rank, ws, padded_numel):
     return out
 
 
-def _all_gather_setup(rank, ws, backend, dev, shapes, seed):
-    """A planner layout for `shapes`, this rank's FSDP2 shards in CUDA symmetric memory, the
-    full tensors (the same on every rank) and NaN-poisoned unsharded storages."""
+def _all_gather_setup(rank, ws, backend, dev, shapes, seed, storage_dtype=torch.float32):
+    """A planner layout for `shapes`, this rank's fp32 FSDP2 shards in CUDA symmetric memory,
+    the full tensors (the same on every rank) and NaN-poisoned unsharded storages."""
     import tide
 
     plan = tide._C.plan
@@ -61,12 +61,16 @@ def _all_gather_setup(rank, ws, backend, dev, shapes, seed):
     for full, lp, off in zip(fulls, layout.params, offsets):
         shards.tensor(rank, off, lp.padded_shard_numel, torch.float32).copy_(
             _fsdp_shard(full, rank, ws, lp.padded_shard_numel).to(dev))
-    storages = [torch.full((lp.storage_numel,), float("nan"), device=dev) for lp in layout.params]
+    storages = [torch.full((lp.storage_numel,), float("nan"), dtype=storage_dtype, device=dev)
+                for lp in layout.params]
     return layout, shards, offsets, fulls, storages
 
 
-def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
-    """param_all_gather and param_reduce_scatter called on the backend directly."""
+def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False, side_stream=False):
+    """param_all_gather and param_reduce_scatter called on the backend directly. The
+    storages take the gradient dtype (bf16: the cast kernel runs first). side_stream: both
+    are issued on a side stream and consumed, after Work.wait(), on the default stream."""
+    import contextlib
     import os
     import time
 
@@ -77,16 +81,24 @@ def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
     shapes = list(SHAPES)
     if mismatch and rank == 1:
         shapes[0] = (36, 5)
-    layout, shards, offsets, fulls, storages = _all_gather_setup(rank, ws, backend, dev, shapes, seed)
+    layout, shards, offsets, fulls, storages = _all_gather_setup(rank, ws, backend, dev, shapes,
+                                                                 seed, storage_dtype=grad_dtype)
     if die and rank == 1:
         os._exit(0)  # a peer that never arrives: the others must time out, not hang
+    issue = contextlib.nullcontext()
+    if side_stream:  # after the default stream's setup, as any user of a side stream must
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        issue = torch.cuda.stream(side)
     start = time.monotonic()
     try:
-        work = backend.param_all_gather(layout, shards, offsets, torch.float32, storages)
+        with issue:
+            work = backend.param_all_gather(layout, shards, offsets, torch.float32, storages)
     except RuntimeError as e:
         return dict(error=str(e), elapsed=time.monotonic() - start)
-    work.wait()
-    gathered_ok = [torch.equal(st[: f.numel()].cpu(), f.reshape(-1)) for st, f in zip(storages, fulls)]
+    work.wait()  # the default stream waits for the side stream's collective
+    gathered_ok = [torch.equal(st[: f.numel()].cpu(), f.reshape(-1).to(grad_dtype))
+                   for st, f in zip(storages, fulls)]
 
     # TIDE-RS: every rank's gradients are known to all (seeded by rank): rank-order fp32
     # sums (bitwise) and float64 sums (tolerance) as references.
@@ -98,7 +110,10 @@ def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
     padded = [lp.padded_shard_numel for lp in layout.params]
     out_offsets = [sum(padded[:i]) for i in range(len(padded))]
     out = torch.full((sum(padded),), float("nan"), device=dev)
-    work = backend.param_reduce_scatter(layout, mine, out, out_offsets, dist.ReduceOp.SUM)
+    if side_stream:
+        side.wait_stream(torch.cuda.current_stream())
+    with issue:
+        work = backend.param_reduce_scatter(layout, mine, out, out_offsets, dist.ReduceOp.SUM)
     work.wait()
     got = out.cpu()
     want32 = torch.zeros_like(got)
@@ -114,11 +129,12 @@ def direct_worker(rank, ws, seed, grad_dtype, mismatch=False, die=False):
                         backend.last_staging_report().slot_bytes))
 
 
-@pytest.mark.parametrize("ws, grad_dtype", [(1, torch.float32), (2, torch.float32),
-                                            (2, torch.bfloat16), (4, torch.bfloat16),
-                                            (8, torch.float32)])
-def test_param_collectives_match_references(ws, grad_dtype):
-    for res in run_ranks(direct_worker, ws, 7, grad_dtype):
+@pytest.mark.parametrize("ws, grad_dtype, side_stream", [
+    (1, torch.float32, False), (2, torch.float32, True), (2, torch.bfloat16, False),
+    (4, torch.bfloat16, True), (8, torch.float32, False)])
+def test_param_collectives_match_references(ws, grad_dtype, side_stream):
+    for res in run_ranks(direct_worker, ws, 7, grad_dtype, kwargs=dict(side_stream=side_stream),
+                         timeout=180):
         assert all(res["gathered_ok"]), res["gathered_ok"]
         assert res["rs_bitwise"], f"not the rank-order fp32 sum (max error {res['rs_err']})"
         assert res["rs_err"] < 1e-4
@@ -163,6 +179,41 @@ def test_dead_peer_times_out():
                     pg_timeout_s=5, expect_exit={1}, timeout=120)
     assert "timed out" in res[0]["error"].lower() or "timeout" in res[0]["error"].lower(), res[0]
     assert res[0]["elapsed"] < 60
+
+
+def hung_peer_worker(rank, ws):
+    """Rank 1's stream is busy for 10 s before its all-gather can start: it passes the host
+    check but posts nothing for longer than the 3 s timeout. Rank 0's watchdog must abort,
+    rank 1 must learn of it, and both must raise instead of returning data."""
+    import time
+
+    import torch.distributed as dist
+
+    dev = _set_device(rank)
+    backend = dist.group.WORLD._get_backend(dev)
+    layout, shards, offsets, fulls, storages = _all_gather_setup(rank, ws, backend, dev, SHAPES, 5)
+    torch.cuda.synchronize()
+    if rank == 1:
+        torch.cuda._sleep(int(10 * 2.0e9))  # about 10 s of GPU clock cycles
+    start = time.monotonic()
+    work = backend.param_all_gather(layout, shards, offsets, torch.float32, storages)
+    while time.monotonic() - start < 60:
+        try:
+            work.wait()
+            torch.cuda.synchronize()  # returns once the abort released this rank's streams
+            backend.param_all_gather(layout, shards, offsets, torch.float32, storages).wait()
+        except RuntimeError as e:
+            return dict(error=str(e), elapsed=time.monotonic() - start)
+        time.sleep(0.2)
+    return dict(error=None, elapsed=time.monotonic() - start)
+
+
+def test_hung_peer_aborts_the_group_on_every_rank():
+    res = run_ranks(hung_peer_worker, 2, pg_timeout_s=3, timeout=120)
+    for r, out in enumerate(res):
+        assert out["error"], f"rank {r} returned data after a peer hung: {out}"
+        assert "abort" in out["error"] or "did not complete" in out["error"], out
+        assert out["elapsed"] < 40, out
 
 
 # ---- FSDP2 end to end ------------------------------------------------------------------------
@@ -224,13 +275,23 @@ def _assert_close(a, b, atol, what):
         assert diff <= atol, f"{what}: {n} differs by {diff} > {atol}"
 
 
-@pytest.mark.parametrize("ws, shard1", [(2, False), (2, True), (4, False)])
+_gloo_runs: dict = {}
+
+
+def _stock_on_gloo(ws, shard1=False):
+    """Stock FSDP2 over gloo on CPU (cached: several tests compare against one run)."""
+    if (ws, shard1) not in _gloo_runs:
+        _gloo_runs[ws, shard1] = run_ranks(fsdp_worker, ws, "cpu", False,
+                                           kwargs=dict(shard1=shard1), backend="gloo", timeout=300)
+    return _gloo_runs[ws, shard1]
+
+
+@pytest.mark.parametrize("ws, shard1", [(2, False), (4, True)])
 def test_fsdp2_on_cuda_matches_stock_fsdp2_on_gloo(ws, shard1):
     """The same training on CPU with stock FSDP2 over gloo: only CPU vs GPU fp32 GEMM
     rounding separates them (stated bound 1e-4 after 3 SGD steps at lr 0.5)."""
     cuda = run_ranks(fsdp_worker, ws, "cuda", kwargs=dict(shard1=shard1), timeout=300)
-    gloo = run_ranks(fsdp_worker, ws, "cpu", False, kwargs=dict(shard1=shard1),
-                     backend="gloo", timeout=300)
+    gloo = _stock_on_gloo(ws, shard1)
     for r in range(ws):
         stats = cuda[r]["stats"]
         assert stats["zero_copy_all_gather"] > 0 and stats["zero_copy_reduce_scatter"] > 0, stats
@@ -242,7 +303,7 @@ def test_fsdp2_bf16_on_cuda_matches_reference():
     """bf16 parameters (cast kernel into the storages), bf16 gradients reduced into fp32
     shards, against stock FSDP2 in fp32 over gloo: bf16 rounding bounds it (1e-2)."""
     cuda = run_ranks(fsdp_worker, 2, "cuda", kwargs=dict(bf16=True), timeout=300)
-    gloo = run_ranks(fsdp_worker, 2, "cpu", False, backend="gloo", timeout=300)
+    gloo = _stock_on_gloo(2)
     for r in range(2):
         assert cuda[r]["stats"]["zero_copy_reduce_scatter"] > 0, cuda[r]["stats"]
         _assert_close(cuda[r]["shards"], gloo[r]["shards"], 1e-2, f"rank {r} bf16 vs fp32")

@@ -1,25 +1,30 @@
 // The CUDA node-local layer: one CudaGroup per process group and process (one rank per
 // process; several processes may share one GPU). It owns two non-blocking streams (copy:
-// copy-engine transfers, compute: short-lived CTAs), a symmetric control block of flags, and
-// the TIDE-RS staging slots in symmetric device memory, and runs TIDE-AG / TIDE-RS directly
+// copy-engine transfers, compute: short-lived CTAs), a control block of flags, and the
+// TIDE-RS staging slots in symmetric device memory, and runs TIDE-AG / TIDE-RS directly
 // (src/transport/cuda/param_*.cpp) rather than through tide::Transport, whose blocking
 // host-memory engines do not fit stream-ordered device memory.
 //
-// Synchronisation between ranks: monotonic 32-bit counters in symmetric device memory.
+// Synchronisation between ranks: monotonic 32-bit counters ("at least" compared modulo
+// 2^32) in a control block of HOST memory that every rank maps (a memfd passed over the
+// FdChannel, registered with cudaHostRegister so streams can read and write it). Each rank
+// has an inbox per flag and sender: a post writes the value into every peer's inbox, a wait
+// reads only this rank's own inbox. Host memory keeps the host's view free of streams (a
+// report or an abort never queues behind a stream stuck on a wait), and inboxes let an abort
+// release this rank's own waits without touching any other rank's counters.
 //   device mode (default): post = cuStreamWriteValue32 (with its memory barrier), wait =
-//     cuStreamWaitValue32 GEQ (cyclic compare, "at least" modulo 2^32): no host sync on the
-//     hot path; the host only waits for the final event, with a deadline.
+//     cuStreamWaitValue32 GEQ: no host sync on the hot path; only the final event is
+//     waited for, by the host (blocking) or by the torch adapter's watchdog.
 //   host mode (TIDE_CUDA_SYNC=host, or automatically when stream memory operations fail):
-//     post = synchronize the stream then write the counter; wait = poll the peer's counter
-//     from the host with the deadline. Slower, but every wait has a timeout.
-// Both modes use the same counters, so ranks in different modes interoperate.
+//     post = synchronize the stream then store; wait = poll the inbox from the host with the
+//     deadline. Slower, but every wait has a timeout.
+// Both modes use the same words, so ranks in different modes interoperate.
 //
 // Failures: an expired deadline throws tide::TimeoutError naming the collective, the rank and
-// every rank's counters; the group is then unusable (every later call throws) and its
-// device memory is leaked at destruction (a peer's stream may still wait on it). Without
-// host waits (options.blocking false) nobody sees a deadline expire on the calling thread:
-// a watchdog (the torch adapter's) calls abort(), which also frees this rank's streams from
-// waits on peers that will never post.
+// every rank's counters; the group is then unusable (every later call throws). abort() (a
+// watchdog's) also marks this rank's poison word, which every peer checks (peers_failed()),
+// so a failure on one rank becomes an error on every rank rather than wrong data. Device
+// memory of a broken group is leaked at destruction (a stream may still use it).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -29,6 +34,7 @@
 #include <mutex>
 #include <string>
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include "tide/comm.hpp"
@@ -52,7 +58,7 @@ struct CudaGroupOptions {
 class CudaGroup {
  public:
   enum FlagId : uint32_t { kAgReady = 0, kAgDone, kRsReady, kRsDone, kNumFlags };
-  static constexpr size_t kFlagStride = 64;  // bytes between counters (own cache line)
+  static constexpr size_t kFlagStride = 64;  // bytes between words (own cache line)
 
   // Collective. Sets `device` current in the calling thread.
   CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int world_size, int device,
@@ -69,7 +75,7 @@ class CudaGroup {
   const Capabilities& caps() const { return caps_; }
   const PathChoice& allgather_path() const { return ag_path_; }
   // "vmm" (cuMemCreate, fds over a Unix socket) or "ipc" (cudaMalloc + cudaIpc handles).
-  const char* symmetric_kind() const { return fds_ ? "vmm" : "ipc"; }
+  const char* symmetric_kind() const { return vmm_ ? "vmm" : "ipc"; }
 
   // Collective: every rank passes the size of its own part.
   std::shared_ptr<CudaSymmetricBuffer> allocate_symmetric(size_t bytes);
@@ -100,17 +106,27 @@ class CudaGroup {
   void fail(const std::string& why);  // marks the group unusable and throws TimeoutError
 
   // Any thread (a watchdog), never throws: marks the group unusable with `why` (prefixed
-  // with the rank and every rank's flags) and releases this rank's streams from their waits
-  // on peers' flags by writing the awaited values into the peers' flag words: the outputs of
-  // the collectives in flight are then garbage, but no stream stays stuck behind a dead peer.
+  // with the rank and every rank's counters), sets this rank's poison word and releases this
+  // rank's streams from their waits by writing far-ahead values into its own inboxes (no
+  // other rank's words are touched; no new wait is enqueued after it). The outputs of the
+  // collectives in flight are then garbage. Call again to re-release (a late genuine post
+  // from a peer may have lowered an inbox word).
   void abort(const std::string& why);
   bool broken() const { return broken_.load(); }
   std::string broken_why() const;
+  // The first peer that aborted, or -1 (plain loads of the poison words: never blocks).
+  int peer_failed() const;
+  // Shared with buffers handed out: true once the group broke (they leak rather than free).
+  std::shared_ptr<std::atomic<bool>> broken_flag() const { return broken_shared_; }
 
  private:
   void host_wait_stream(cudaStream_t s, const char* what);
-  uint32_t read_flag(int rank, FlagId f);
-  std::string flags_report();
+  // The inbox word of `receiver` for flag f from `sender`, and the poison word of `rank`.
+  std::atomic<uint32_t>& inbox(int receiver, FlagId f, int sender) const;
+  std::atomic<uint32_t>& poison(int rank) const;
+  CUdeviceptr device_address(const std::atomic<uint32_t>& word) const;  // for stream memory ops
+  std::string flags_report() const;
+  void release_own_waits();
   std::chrono::steady_clock::time_point deadline() const;
 
   std::shared_ptr<Store> store_;
@@ -120,10 +136,15 @@ class CudaGroup {
   SyncMode mode_ = SyncMode::device;
   Capabilities caps_;
   PathChoice ag_path_;
-  cudaStream_t copy_ = nullptr, compute_ = nullptr, side_ = nullptr, abort_stream_ = nullptr;
+  cudaStream_t copy_ = nullptr, compute_ = nullptr;
   cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr};
-  std::unique_ptr<FdChannel> fds_;  // set when symmetric memory is vmm (cuMemCreate + fds)
-  std::shared_ptr<CudaSymmetricBuffer> control_, staging_, scratch_;
+  std::unique_ptr<FdChannel> fds_;
+  bool vmm_ = false;  // symmetric memory from cuMemCreate (fds over fds_), else cudaMalloc + IPC
+  std::byte* control_ = nullptr;      // host control block, mapped by every rank
+  std::byte* control_dev_ = nullptr;  // the same memory as the device addresses it
+  size_t control_bytes_ = 0;
+  bool control_registered_ = false;
+  std::shared_ptr<CudaSymmetricBuffer> staging_, scratch_;
   int num_slots_ = 2, rs_ctas_ = 8;
   size_t slot_bytes_ = 0, piece_bytes_ = 0;
   std::atomic<uint32_t> epoch_[kNumFlags] = {};  // read by abort() from another thread
@@ -131,7 +152,9 @@ class CudaGroup {
   const char* collective_ = "";
   std::chrono::steady_clock::time_point started_{};
   std::atomic<bool> broken_{false};
+  std::shared_ptr<std::atomic<bool>> broken_shared_ = std::make_shared<std::atomic<bool>>(false);
   mutable std::mutex why_mutex_;  // broken_why_: set by fail() or abort(), read anywhere
+  std::mutex wait_mutex_;         // abort() vs enqueuing a wait: none is enqueued after abort
   std::string broken_why_;
 };
 

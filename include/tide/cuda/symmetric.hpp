@@ -21,6 +21,7 @@
 // probe() reports multicast on every device and every rank has its own device; it cannot be
 // exercised on one GPU (the test machine) and is compiled but untested.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -61,6 +62,9 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   int device() const override { return device_; }
   // Skip the teardown barrier and leak (after an abort: a peer may never arrive).
   void leak_on_destroy() { leak_ = true; }
+  // Leak at destruction if `*flag` is set by then (the owning group broke: a stream may
+  // still use this memory, and waiting for it could hang).
+  void leak_if(std::shared_ptr<std::atomic<bool>> flag) { leak_if_ = std::move(flag); }
 
  private:
   CudaSymmetricBuffer() = default;
@@ -72,6 +76,8 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::vector<size_t> sizes_;
   void* own_ = nullptr;
   bool leak_ = false;
+  std::shared_ptr<std::atomic<bool>> leak_if_;
+  bool leaking() const { return leak_ || (leak_if_ && leak_if_->load()); }
   // vmm only: per rank, the imported (or own) allocation handle and the mapped size.
   bool vmm_ = false;
   std::vector<CUmemGenericAllocationHandle> handles_;

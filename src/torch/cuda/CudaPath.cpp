@@ -117,6 +117,18 @@ uint64_t hash_layout(const tide::plan::GroupLayout& layout) {
   return h;
 }
 
+// The other arguments peers rely on (shard offsets: peers read at this rank's offsets;
+// Slot-Reuse regions: peers read staging there).
+template <class Range>
+uint64_t hash_values(const Range& values) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& v : values) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
 std::string describe(const Fingerprint& f) {
   return tide::detail::concat(std::string(f.collective, strnlen(f.collective, sizeof f.collective)), " #", f.seq,
                               " (", f.params, " params, ", f.numel, " elements, ",
@@ -139,14 +151,28 @@ CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank,
 }
 
 CudaPath::~CudaPath() {
+  // Let the watchdog see the collectives in flight to their end (or abort the group at
+  // their deadline) before the group is destroyed: its destructor waits for its streams.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (pending_.empty()) break;
+      if (std::chrono::steady_clock::now() > deadline) {  // a wedged device: leak, do not hang
+        group_->abort("destroyed with collectives that never completed");
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   cv_.notify_all();
   watchdog_.join();
-  // group_ goes last: its destructor waits for its streams (when healthy) and frees its
-  // symmetric memory together with the peers.
+  // group_ goes last: healthy, it waits for its streams and frees its memory (ipc: together
+  // with the peers); broken, it leaks what a stream may still use.
 }
 
 tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
@@ -155,7 +181,12 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
     tide::cuda::CudaGroupOptions options;
     options.timeout = timeout_;
     options.blocking = false;  // stream-ordered; the watchdog enforces the timeout
-    group_ = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
+    auto created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
+    if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);  // the caller's, as it was
+    std::lock_guard<std::mutex> lock(mutex_);  // the watchdog reads group_
+    group_ = std::move(created);
   }
   TORCH_CHECK(group_->device() == device, "tide ", collective, ": rank ", rank_, ": tensors on cuda:", device,
               " but this group's CUDA collectives run on cuda:", group_->device(),
@@ -170,11 +201,11 @@ std::shared_ptr<tide::SymmetricBuffer> CudaPath::allocate_symmetric(size_t bytes
 }
 
 void CudaPath::check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
-                                  tide::DType from, tide::DType to, int op) {
+                                  tide::DType from, tide::DType to, int op, uint64_t extra) {
   Fingerprint mine{};
   std::strncpy(mine.collective, collective, sizeof mine.collective - 1);
   mine.seq = seq_++;
-  mine.layout_hash = hash_layout(layout);
+  mine.layout_hash = hash_layout(layout) ^ (extra * 0x9e3779b97f4a7c15ull);
   for (const auto& p : layout.params) mine.numel += static_cast<uint64_t>(p.numel);
   mine.params = static_cast<uint32_t>(layout.params.size());
   mine.world_size = layout.world_size;
@@ -214,12 +245,14 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGa
                                                           std::vector<at::Tensor> outputs, int device) {
   auto& g = group(device, "param_all_gather");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1);
+  check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
+                     hash_values(args.shard_offsets));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  tide::cuda::param_all_gather(g, args, stream);
-  tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
-                                      args.layout->params.size(), " params over ",
-                                      tide::cuda::path_name(g.allgather_path().path)));
+  guarded("param_all_gather", [&] { tide::cuda::param_all_gather(g, args, stream); });
+  if (tide::env::debug())
+    tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
+                                        args.layout->params.size(), " params over ",
+                                        tide::cuda::path_name(g.allgather_path().path)));
   return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
 }
 
@@ -228,15 +261,35 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamR
                                                               tide::StagingReport* report) {
   auto& g = group(device, "param_reduce_scatter");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  std::vector<int64_t> regions;
+  for (const auto& r : args.reuse_regions) regions.insert(regions.end(), {r.offset, r.bytes});
   check_across_ranks("param_reduce_scatter", *args.layout, args.grad_dtype, args.out_dtype,
-                     static_cast<int>(args.op.op));
+                     static_cast<int>(args.op.op), hash_values(regions));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  *report = tide::cuda::param_reduce_scatter(g, args, stream);
-  tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ",
+  guarded("param_reduce_scatter", [&] { *report = tide::cuda::param_reduce_scatter(g, args, stream); });
+  if (tide::env::debug()) tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ",
                                       args.layout->params.size(), " params, copy engines + ", g.rs_ctas(),
                                       " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
                                       " B staging (", report->reused_slots, " in vacated all-gather storage)"));
   return finish("tide:param_reduce_scatter", c10d::OpType::REDUCE_SCATTER, std::move(outputs), device);
+}
+
+void CudaPath::guarded(const char* collective, const std::function<void()>& enqueue) {
+  try {
+    enqueue();
+  } catch (const std::exception& e) {
+    // Part of the collective may be enqueued (flags posted, epochs advanced): the ranks are
+    // out of step, so the group is done for, on every rank (the poison word tells peers).
+    const std::string why = tide::detail::concat(collective, " failed while being enqueued: ", e.what());
+    group_->abort(why);
+    set_failed(group_->broken_why());
+    throw;
+  }
+}
+
+void CudaPath::set_failed(const std::string& why) {
+  std::lock_guard<std::mutex> h(health_->mutex);
+  if (health_->error.empty()) health_->error = why;
 }
 
 void CudaPath::watchdog_loop() {
@@ -244,7 +297,13 @@ void CudaPath::watchdog_loop() {
   for (;;) {
     cv_.wait_for(lock, std::chrono::milliseconds(50));
     if (stop_) return;
-    if (group_ && cudaSetDevice(group_->device()) != cudaSuccess) (void)cudaGetLastError();
+    if (!group_) continue;
+    if (cudaSetDevice(group_->device()) != cudaSuccess) (void)cudaGetLastError();
+    // A peer that aborted: stop too, so nothing here completes with its garbage.
+    if (const int r = group_->peer_failed(); r >= 0 && !group_->broken()) {
+      group_->abort(tide::detail::concat("rank ", r, " aborted the group"));
+      set_failed(group_->broken_why());
+    }
     // Collectives complete in issue order (one stream of work per group): the oldest first.
     while (!pending_.empty()) {
       Pending& p = pending_.front();
@@ -252,15 +311,14 @@ void CudaPath::watchdog_loop() {
         pending_.pop_front();
         continue;
       }
-      if (std::chrono::steady_clock::now() < p.deadline) break;
-      const std::string why = tide::detail::concat(p.what, " did not complete within ", timeout_.count(),
-                                                   " ms (a peer died or hung); the group is aborted");
-      if (group_) group_->abort(why);  // releases our streams; its reason names every rank's flags
-      {
-        std::lock_guard<std::mutex> h(health_->mutex);
-        health_->error = group_ ? group_->broken_why() : "tide: cuda: rank " + std::to_string(rank_) + ": " + why;
+      if (group_->broken()) {
+        group_->abort("");  // re-release: a late peer post may have lowered an inbox word
+        break;
       }
-      pending_.clear();
+      if (std::chrono::steady_clock::now() < p.deadline) break;
+      group_->abort(tide::detail::concat(p.what, " did not complete within ", timeout_.count(),
+                                         " ms (a peer died or hung); the group is aborted"));
+      set_failed(group_->broken_why());
       break;
     }
   }

@@ -16,9 +16,10 @@
 //
 // Watchdog: a thread polls each collective's completion event. One not complete within the
 // group's timeout (a peer died or hung after the check) aborts the group: this rank's streams
-// are released (tide::cuda::CudaGroup::abort), the reason goes to stderr, and every later
-// call and every Work.wait() raises TimeoutError naming the collective, the rank and every
-// rank's flags.
+// are released (tide::cuda::CudaGroup::abort), its poison word tells the peers, whose
+// watchdogs abort too, the reason goes to stderr, and every later call and every Work.wait()
+// raises DistBackendError naming the collective, the rank and every rank's flags. A
+// collective that fails while being enqueued aborts the group the same way.
 #pragma once
 
 #include <atomic>
@@ -77,8 +78,12 @@ class CudaPath {
 
  private:
   tide::cuda::CudaGroup& group(int device, const char* collective);
+  // `extra`: a hash of the other arguments peers rely on (offsets, Slot-Reuse regions).
   void check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
-                          tide::DType from, tide::DType to, int op);
+                          tide::DType from, tide::DType to, int op, uint64_t extra);
+  // Runs the enqueueing of a collective; if it throws, aborts the group and rethrows.
+  void guarded(const char* collective, const std::function<void()>& enqueue);
+  void set_failed(const std::string& why);
   c10::intrusive_ptr<c10d::Work> finish(const char* collective, c10d::OpType type,
                                         std::vector<at::Tensor> outputs, int device);
   void watchdog_loop();

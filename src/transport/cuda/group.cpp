@@ -1,9 +1,14 @@
 // CudaGroup: streams, symmetric control flags and staging of one rank (see group.hpp).
 #include "tide/cuda/group.hpp"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "../../core/env.hpp"
@@ -67,21 +72,6 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   const bool vmm_here = dc.vmm && dc.posix_fd_handles;
   TIDE_CHECK(want != "vmm" || vmm_here, "tide: cuda: rank ", rank_, ": TIDE_CUDA_SYMMETRIC=vmm but device ", device_,
              " lacks virtual memory management with POSIX fd handles");
-  const std::string dkey = ns_ + "/cuda/device/";
-  store_->set(dkey + std::to_string(rank_),
-              std::vector<uint8_t>{static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here)});
-  std::vector<int> devices(ws_);
-  bool vmm_everywhere = true;
-  for (int r = 0; r < ws_; ++r) {
-    std::vector<uint8_t> v = store_->get(dkey + std::to_string(r), opt_.timeout);
-    TIDE_CHECK(v.size() == 2, "tide: cuda: rank ", rank_, ": bad device record of rank ", r);
-    devices[r] = v[0];
-    vmm_everywhere = vmm_everywhere && v[1];
-  }
-  ag_path_ = choose_allgather_path(caps_, devices);
-  // The same decision on every rank: it depends only on what all ranks published.
-  if (want != "ipc" && vmm_everywhere) fds_ = std::make_unique<FdChannel>(*store_, ns_ + "/cuda", rank_, ws_, opt_.timeout);
-
   opt_.staging_bytes = opt_.staging_bytes ? opt_.staging_bytes : env::get_bytes("TIDE_CUDA_STAGING_BYTES", 32u << 20);
   rs_ctas_ = opt_.rs_ctas > 0 ? opt_.rs_ctas : static_cast<int>(env::get_int("TIDE_RS_CTAS", 8));
   TIDE_CHECK(rs_ctas_ >= 1 && rs_ctas_ <= 1024, "tide: TIDE_RS_CTAS=", rs_ctas_, " out of [1, 1024]");
@@ -91,33 +81,84 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
              num_slots_, " slots x ", ws_, " ranks x 256 bytes");
   slot_bytes_ = piece_bytes_ * static_cast<size_t>(ws_);
 
+  // What every rank must agree on travels with its device: the staging layout (peers read
+  // each other's slots at the same offsets).
+  struct Record {
+    uint64_t staging_bytes;
+    int32_t num_slots;
+    uint8_t device, vmm, pad[2];
+  } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here), {}};
+  const std::string dkey = ns_ + "/cuda/device/";
+  store_->set(dkey + std::to_string(rank_), std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&mine),
+                                                                 reinterpret_cast<uint8_t*>(&mine) + sizeof mine));
+  std::vector<int> devices(ws_);
+  bool vmm_everywhere = true;
+  for (int r = 0; r < ws_; ++r) {
+    std::vector<uint8_t> v = store_->get(dkey + std::to_string(r), opt_.timeout);
+    TIDE_CHECK(v.size() == sizeof(Record), "tide: cuda: rank ", rank_, ": bad device record of rank ", r);
+    Record rec;
+    std::memcpy(&rec, v.data(), sizeof rec);
+    TIDE_CHECK(rec.staging_bytes == mine.staging_bytes && rec.num_slots == mine.num_slots, "tide: cuda: rank ", rank_,
+               ": rank ", r, " stages ", rec.staging_bytes, " bytes in ", rec.num_slots, " slots, rank ", rank_, " ",
+               mine.staging_bytes, " in ", mine.num_slots, " (TIDE_CUDA_STAGING_BYTES must be the same on every rank)");
+    devices[r] = rec.device;
+    vmm_everywhere = vmm_everywhere && rec.vmm;
+  }
+  ag_path_ = choose_allgather_path(caps_, devices);
+  // The same decision on every rank: it depends only on what all ranks published.
+  vmm_ = want != "ipc" && vmm_everywhere;
+  fds_ = std::make_unique<FdChannel>(*store_, ns_ + "/cuda", rank_, ws_, opt_.timeout);
+
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
-  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&abort_stream_, cudaStreamNonBlocking));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[0], cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[1], cudaEventDisableTiming));
 
-  control_ = allocate_symmetric(kNumFlags * kFlagStride);
+  // The control block: a memfd rank 0 creates and sends to every peer (nothing named, so
+  // nothing outlives the processes), mapped shared by all, registered for the streams.
+  control_bytes_ = kFlagStride * static_cast<size_t>(ws_) * (1 + kNumFlags * static_cast<size_t>(ws_));
+  control_bytes_ = (control_bytes_ + 4095) / 4096 * 4096;
+  {
+    const uint64_t tag = std::hash<std::string>{}(ns_ + "/cuda/control");
+    int fd = -1;
+    if (rank_ == 0) {
+      fd = ::memfd_create("tide-cuda-control", MFD_CLOEXEC);
+      TIDE_CHECK(fd >= 0 && ::ftruncate(fd, static_cast<off_t>(control_bytes_)) == 0, "tide: cuda: rank 0: memfd for ",
+                 control_bytes_, " bytes of flags failed: ", std::strerror(errno));
+      for (int r = 1; r < ws_; ++r) fds_->send(r, tag, fd);
+    } else {
+      fd = fds_->receive(0, tag);
+    }
+    void* p = ::mmap(nullptr, control_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    TIDE_CHECK(p != MAP_FAILED, "tide: cuda: rank ", rank_, ": mapping the flags failed: ", std::strerror(errno));
+    control_ = static_cast<std::byte*>(p);
+    TIDE_CUDA_CHECK(cudaHostRegister(control_, control_bytes_, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    control_registered_ = true;
+    void* dev = nullptr;
+    TIDE_CUDA_CHECK(cudaHostGetDevicePointer(&dev, control_, 0));
+    control_dev_ = static_cast<std::byte*>(dev);
+  }
   staging_ = allocate_symmetric(slot_bytes_ * static_cast<size_t>(num_slots_));
 
   if (mode_ == SyncMode::device) {
-    // Stream memory operations on IPC-mapped memory: try once on our own (still zero) flag.
+    // Stream memory operations on registered host memory: try once on our own inbox (zero).
     const Driver& drv = driver();
     CUresult r = CUDA_ERROR_NOT_SUPPORTED;
-    if (drv.cuStreamWriteValue32 && drv.cuStreamWaitValue32) r = driver().cuStreamWriteValue32(reinterpret_cast<CUstream>(side_),
-                                      reinterpret_cast<CUdeviceptr>(control_->local()), 0, CU_STREAM_WRITE_VALUE_DEFAULT);
-    if (r == CUDA_SUCCESS) r = driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(side_),
-                                                   reinterpret_cast<CUdeviceptr>(control_->local()), 0,
-                                                   CU_STREAM_WAIT_VALUE_GEQ);
+    const CUdeviceptr word = device_address(inbox(rank_, kAgReady, rank_));
+    cudaStream_t probe_stream = copy_;
+    if (drv.cuStreamWriteValue32 && drv.cuStreamWaitValue32)
+      r = drv.cuStreamWriteValue32(reinterpret_cast<CUstream>(probe_stream), word, 0, CU_STREAM_WRITE_VALUE_DEFAULT);
+    if (r == CUDA_SUCCESS)
+      r = drv.cuStreamWaitValue32(reinterpret_cast<CUstream>(probe_stream), word, 0, CU_STREAM_WAIT_VALUE_GEQ);
     if (r == CUDA_SUCCESS) {
-      TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));
+      TIDE_CUDA_CHECK(cudaStreamSynchronize(probe_stream));
     } else {
-      const char* s = nullptr;
-      driver().cuGetErrorString(r, &s);
-      env::log(detail::concat("cuda: rank ", rank_, ": stream memory operations unavailable (", s ? s : "?",
-                              "): host-side flags"));
+      const char* msg = nullptr;
+      drv.cuGetErrorString(r, &msg);
+      env::log(detail::concat("cuda: rank ", rank_, ": stream memory operations on host memory unavailable (",
+                              msg ? msg : "?", "): host-side flags"));
       (void)cudaGetLastError();
       mode_ = SyncMode::host;
     }
@@ -126,33 +167,36 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   env::log(detail::concat("cuda: rank ", rank_, "/", ws_, " on device ", device_, ": ", slot_bytes_, "-byte slots x ",
                           num_slots_, ", ", rs_ctas_, " accumulate CTAs, ",
                           mode_ == SyncMode::device ? "device" : "host", " flags, ",
-                          fds_ ? "vmm" : "ipc", " symmetric memory, all-gather path ", path_name(ag_path_.path)));
+                          vmm_ ? "vmm" : "ipc", " symmetric memory, all-gather path ", path_name(ag_path_.path)));
 }
 
 CudaGroup::~CudaGroup() {
   if (!broken_) {
-    for (cudaStream_t s : {copy_, compute_, side_})
-      if (s && cudaStreamSynchronize(s) != cudaSuccess) (void)cudaGetLastError();
+    for (cudaStream_t st : {copy_, compute_})
+      if (st && cudaStreamSynchronize(st) != cudaSuccess) (void)cudaGetLastError();
   } else {
-    for (auto* b : {scratch_.get(), staging_.get(), control_.get()})
+    for (auto* b : {scratch_.get(), staging_.get()})
       if (b) b->leak_on_destroy();
   }
-  // The same order on every rank: each destructor ends with a store barrier.
+  // The same order on every rank (the ipc buffers' destructors end with a store barrier).
   scratch_.reset();
   staging_.reset();
-  control_.reset();
-  if (broken_) return;  // streams may still wait on peers' flags: leave them to process exit
+  if (broken_) return;  // streams may still wait on the flags: leave them to process exit
+  if (control_registered_ && cudaHostUnregister(control_) != cudaSuccess) (void)cudaGetLastError();
+  if (control_) ::munmap(control_, control_bytes_);
   for (cudaEvent_t e : {ev_in_, ev_out_[0], ev_out_[1]})
     if (e) (void)cudaEventDestroy(e);
-  for (cudaStream_t s : {copy_, compute_, side_, abort_stream_})
-    if (s) (void)cudaStreamDestroy(s);
+  for (cudaStream_t st : {copy_, compute_})
+    if (st) (void)cudaStreamDestroy(st);
   (void)cudaGetLastError();
 }
 
 std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes) {
   TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": group unusable after an earlier failure: ", broken_why());
-  return CudaSymmetricBuffer::allocate(store_, ns_ + "/cuda/sym/" + std::to_string(alloc_seq_++), rank_, ws_, bytes,
-                                       opt_.timeout, fds_.get());
+  auto b = CudaSymmetricBuffer::allocate(store_, ns_ + "/cuda/sym/" + std::to_string(alloc_seq_++), rank_, ws_,
+                                         bytes, opt_.timeout, vmm_ ? fds_.get() : nullptr);
+  b->leak_if(broken_shared_);
+  return b;
 }
 
 void CudaGroup::barrier() {
@@ -176,29 +220,54 @@ CudaSymmetricBuffer& CudaGroup::scratch(size_t bytes) {
   return *scratch_;
 }
 
+std::atomic<uint32_t>& CudaGroup::inbox(int receiver, FlagId f, int sender) const {
+  const size_t line = static_cast<size_t>(ws_) + (static_cast<size_t>(receiver) * kNumFlags + f) * ws_ + sender;
+  return *reinterpret_cast<std::atomic<uint32_t>*>(control_ + line * kFlagStride);
+}
+
+CUdeviceptr CudaGroup::device_address(const std::atomic<uint32_t>& word) const {
+  return reinterpret_cast<CUdeviceptr>(control_dev_ + (reinterpret_cast<const std::byte*>(&word) - control_));
+}
+
+std::atomic<uint32_t>& CudaGroup::poison(int rank) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(control_ + static_cast<size_t>(rank) * kFlagStride);
+}
+
+int CudaGroup::peer_failed() const {
+  for (int r = 0; r < ws_; ++r)
+    if (r != rank_ && poison(r).load(std::memory_order_acquire)) return r;
+  return -1;
+}
+
 void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
-  std::byte* addr = control_->local() + f * kFlagStride;
   if (mode_ == SyncMode::device) {
-    TIDE_CU_CHECK(driver().cuStreamWriteValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                                       CU_STREAM_WRITE_VALUE_DEFAULT));
+    for (int p = 0; p < ws_; ++p) {
+      if (p == rank_) continue;
+      const CUdeviceptr word = device_address(inbox(p, f, rank_));
+      TIDE_CU_CHECK(driver().cuStreamWriteValue32(reinterpret_cast<CUstream>(stream), word, value,
+                                                  CU_STREAM_WRITE_VALUE_DEFAULT));
+    }
     return;
   }
   host_wait_stream(stream, flag_name(f));
-  TIDE_CUDA_CHECK(cudaMemcpyAsync(addr, &value, sizeof value, cudaMemcpyHostToDevice, side_));
-  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));
+  for (int p = 0; p < ws_; ++p)
+    if (p != rank_) inbox(p, f, rank_).store(value, std::memory_order_release);
 }
 
 void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint32_t value) {
-  std::byte* addr = control_->peer(peer) + f * kFlagStride;
+  std::atomic<uint32_t>& word = inbox(rank_, f, peer);
   if (mode_ == SyncMode::device) {
-    TIDE_CU_CHECK(driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                                      CU_STREAM_WAIT_VALUE_GEQ));
+    std::lock_guard<std::mutex> lock(wait_mutex_);
+    if (broken_) throw Error(detail::concat("tide: cuda: rank ", rank_, ": ", collective_, ": ", broken_why()));
+    TIDE_CU_CHECK(driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(stream), device_address(word), value,
+                                               CU_STREAM_WAIT_VALUE_GEQ));
     return;
   }
   auto nap = std::chrono::microseconds(20);
   for (;;) {
-    const uint32_t have = read_flag(peer, f);
+    const uint32_t have = word.load(std::memory_order_acquire);
     if (reached(have, value)) return;
+    if (const int r = peer_failed(); r >= 0) fail(detail::concat("rank ", r, " aborted"));
     if (std::chrono::steady_clock::now() > deadline())
       fail(detail::concat("waiting for rank ", peer, "'s ", flag_name(f), " >= ", value, " (it is ", have, ")"));
     std::this_thread::sleep_for(nap);
@@ -206,43 +275,39 @@ void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint32_t value) {
   }
 }
 
-uint32_t CudaGroup::read_flag(int rank, FlagId f) {
-  uint32_t v = 0;
-  TIDE_CUDA_CHECK(cudaMemcpyAsync(&v, control_->peer(rank) + f * kFlagStride, sizeof v, cudaMemcpyDeviceToHost, side_));
-  TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));
-  return v;
-}
-
-std::string CudaGroup::flags_report() {
+std::string CudaGroup::flags_report() const {
   std::string s;
   for (int r = 0; r < ws_; ++r) {
-    s += detail::concat(" rank ", r, ":");
+    s += detail::concat(" rank ", r, poison(r).load() ? " (aborted)" : "", " received:");
     for (uint32_t f = 0; f < kNumFlags; ++f) {
-      try {
-        s += detail::concat(" ", flag_name(static_cast<FlagId>(f)), "=", read_flag(r, static_cast<FlagId>(f)));
-      } catch (const std::exception&) {
-        s += " (unreadable)";
-        break;
-      }
+      s += detail::concat(" ", flag_name(static_cast<FlagId>(f)), "=[");
+      for (int p = 0; p < ws_; ++p)
+        s += detail::concat(p ? "," : "", p == r ? std::string("-") : std::to_string(inbox(r, static_cast<FlagId>(f), p).load()));
+      s += "]";
     }
     s += ";";
   }
-  s += " expected:";
-  for (uint32_t f = 0; f < kNumFlags; ++f) s += detail::concat(" ", flag_name(static_cast<FlagId>(f)), "=", epoch_[f]);
+  s += detail::concat(" rank ", rank_, " expects:");
+  for (uint32_t f = 0; f < kNumFlags; ++f) s += detail::concat(" ", flag_name(static_cast<FlagId>(f)), "=", epoch_[f].load());
   return s;
 }
 
 std::chrono::steady_clock::time_point CudaGroup::deadline() const { return started_ + opt_.timeout; }
 
 void CudaGroup::fail(const std::string& why) {
-  std::string what = detail::concat("tide: cuda: ", collective_, " on rank ", rank_, " of ", ws_, " timed out after ",
-                                    opt_.timeout.count(), " ms: ", why);
+  std::string what = detail::concat("tide: cuda: ", collective_, " on rank ", rank_, " of ", ws_, " failed after ",
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                                        std::chrono::steady_clock::now() - started_).count(),
+                                    " ms (timeout ", opt_.timeout.count(), " ms): ", why);
   {
     std::lock_guard<std::mutex> lock(why_mutex_);
-    broken_why_ = what;
+    if (broken_why_.empty()) broken_why_ = what;
   }
   broken_ = true;
+  broken_shared_->store(true);
+  poison(rank_).store(1, std::memory_order_release);  // peers stop rather than read our garbage
   const std::string report = flags_report();
+  release_own_waits();  // our streams must not stay stuck behind this failure
   throw TimeoutError(what + "; flags:" + report);
 }
 
@@ -251,33 +316,29 @@ std::string CudaGroup::broken_why() const {
   return broken_why_;
 }
 
+void CudaGroup::release_own_waits() {
+  // Our waits are for "inbox >= our epoch" (cyclic): half the counter space ahead of the
+  // epoch satisfies every wait issued so far, whatever a late peer post wrote meanwhile.
+  for (uint32_t f = 0; f < kNumFlags; ++f) {
+    const uint32_t ahead = epoch_[f].load() + (1u << 30);
+    for (int p = 0; p < ws_; ++p)
+      if (p != rank_) inbox(rank_, static_cast<FlagId>(f), p).store(ahead, std::memory_order_release);
+  }
+}
+
 void CudaGroup::abort(const std::string& why) {
-  if (broken_.exchange(true)) return;
-  std::string report;
-  try {
-    report = flags_report();
-  } catch (const std::exception&) {
-    report = " (unreadable)";
-  }
-  {
-    std::lock_guard<std::mutex> lock(why_mutex_);
-    broken_why_ = detail::concat("tide: cuda: rank ", rank_, " of ", ws_, ": ", why, "; flags:", report);
-  }
-  std::fprintf(stderr, "[tide] %s\n", broken_why().c_str());  // always: like NCCL's watchdog
-  // Our streams wait for peer flag >= our own epoch of that flag (cyclic compare): writing
-  // the epoch there releases every wait issued so far.
-  if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
-  uint32_t values[kNumFlags];  // pageable: each copy is staged before cudaMemcpyAsync returns
-  for (uint32_t f = 0; f < kNumFlags; ++f) values[f] = epoch_[f].load();
-  for (int r = 0; r < ws_; ++r) {
-    if (r == rank_) continue;
-    for (uint32_t f = 0; f < kNumFlags; ++f) {
-      std::byte* addr = control_->peer(r) + f * kFlagStride;
-      if (cudaMemcpyAsync(addr, &values[f], sizeof(uint32_t), cudaMemcpyHostToDevice, abort_stream_) != cudaSuccess)
-        (void)cudaGetLastError();  // a dead peer's mapping may be gone: nothing to release then
+  std::lock_guard<std::mutex> lock(wait_mutex_);  // no wait is enqueued after this
+  if (!broken_.exchange(true)) {
+    broken_shared_->store(true);
+    poison(rank_).store(1, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> w(why_mutex_);
+      if (broken_why_.empty())
+        broken_why_ = detail::concat("tide: cuda: rank ", rank_, " of ", ws_, ": ", why, "; flags:", flags_report());
     }
+    std::fprintf(stderr, "[tide] %s\n", broken_why().c_str());  // always: like NCCL's watchdog
   }
-  if (cudaStreamSynchronize(abort_stream_) != cudaSuccess) (void)cudaGetLastError();
+  release_own_waits();
 }
 
 void CudaGroup::host_wait_stream(cudaStream_t s, const char* what) {
@@ -297,6 +358,10 @@ void CudaGroup::host_wait_stream(cudaStream_t s, const char* what) {
 void CudaGroup::begin(const char* collective, cudaStream_t caller, std::initializer_list<cudaStream_t> work) {
   TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": ", collective, ": group unusable after an earlier failure: ",
              broken_why());
+  if (const int r = peer_failed(); r >= 0) {
+    collective_ = collective;
+    fail(detail::concat("rank ", r, " aborted the group earlier"));
+  }
   collective_ = collective;
   started_ = std::chrono::steady_clock::now();
   TIDE_CUDA_CHECK(cudaSetDevice(device_));
@@ -319,6 +384,7 @@ void CudaGroup::end(cudaStream_t caller, std::initializer_list<cudaStream_t> wor
       cudaError_t e = cudaEventQuery(ev_out_[k]);
       if (e == cudaSuccess) break;
       if (e != cudaErrorNotReady) TIDE_CUDA_CHECK(e);
+      if (const int r = peer_failed(); r >= 0) fail(detail::concat("rank ", r, " aborted"));
       if (std::chrono::steady_clock::now() > deadline()) fail("the collective's streams did not finish");
       std::this_thread::sleep_for(nap);
       if (nap < std::chrono::microseconds(500)) nap *= 2;

@@ -15,6 +15,18 @@
 namespace tide::cuda {
 namespace {
 
+// Zeros device memory and returns once they are there: cudaMemset on device memory does not
+// wait for the host, and our streams are non-blocking, so nothing else would order it
+// before a peer (or one of our streams) looks.
+void zero_fill(void* p, size_t n) {
+  cudaStream_t s = nullptr;
+  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const cudaError_t set = cudaMemsetAsync(p, 0, n, s);
+  const cudaError_t done = set == cudaSuccess ? cudaStreamSynchronize(s) : set;
+  (void)cudaStreamDestroy(s);
+  TIDE_CUDA_CHECK(done);
+}
+
 std::vector<uint8_t> as_bytes(const void* p, size_t n) {
   const auto* b = static_cast<const uint8_t*>(p);
   return std::vector<uint8_t>(b, b + n);
@@ -75,7 +87,7 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   b->own_ = p;
   b->ptrs_[rank] = static_cast<std::byte*>(p);
   b->sizes_[rank] = bytes;
-  TIDE_CUDA_CHECK(cudaMemset(p, 0, alloc));  // synchronous w.r.t. the host: zero before peers look
+  zero_fill(p, alloc);
   PartRecord mine{};
   TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, p));
   mine.bytes = bytes;
@@ -149,7 +161,7 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   TIDE_CU_CHECK(drv.cuMemCreate(&own, size, &prop, 0));
   map(rank_, own, size);
   sizes_[rank_] = bytes;
-  TIDE_CUDA_CHECK(cudaMemset(ptrs_[rank_], 0, size));  // synchronous w.r.t. the host: zero before peers look
+  zero_fill(ptrs_[rank_], size);
 
   VmmRecord mine{bytes, size, device_, static_cast<int32_t>(::getpid())};
   store_->set(key_ + "/vmm/" + std::to_string(rank_), as_bytes(&mine, sizeof mine));
@@ -205,7 +217,7 @@ void CudaSymmetricBuffer::destroy_vmm() {
 CudaSymmetricBuffer::~CudaSymmetricBuffer() {
   // Never throws.
   if (vmm_) {
-    if (!leak_) destroy_vmm();  // after an abort a stream may still wait on this memory
+    if (!leaking()) destroy_vmm();  // after an abort a stream may still use this memory
     return;
   }
   // ipc: close what we opened, then free our part once every peer closed theirs.
@@ -214,7 +226,7 @@ CudaSymmetricBuffer::~CudaSymmetricBuffer() {
     if (cudaIpcCloseMemHandle(ptrs_[r]) != cudaSuccess) (void)cudaGetLastError();
   }
   if (!own_) return;
-  if (leak_) return;
+  if (leaking()) return;
   bool all_closed = world_size_ == 1;
   if (!all_closed) {
     try {
@@ -244,7 +256,7 @@ void CudaSymmetricBuffer::release(size_t offset, size_t n) {
   const size_t size = sizes_[rank_];
   TIDE_CHECK(offset <= size && n <= size - offset, "tide: cuda: SymmetricBuffer::release: rank ", rank_,
              ": range [", offset, ", ", offset + n, ") outside the ", size, "-byte part");
-  if (n) TIDE_CUDA_CHECK(cudaMemset(ptrs_[rank_] + offset, 0, n));
+  if (n) zero_fill(ptrs_[rank_] + offset, n);
 }
 
 // ---- multicast (structural: needs NVSwitch, one device per rank) ------------------------
