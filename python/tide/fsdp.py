@@ -83,6 +83,14 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _why_not_cuda(backend, device):
+    """On CUDA: None where the node's GPUs can map each other's memory, else why not."""
+    if device.type != "cuda":
+        return None
+    path, reason = backend.cuda_path_choice(_device_index(device))
+    return None if path != "nccl" else f"the GPUs cannot map each other's memory ({reason})"
+
+
 def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
     from torch.distributed.fsdp._fully_shard._fsdp_common import compiled_autograd_enabled
@@ -90,6 +98,8 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
 
     if backend is None:
         return "not a tide group (or CUDA tensors with a tide built without CUDA)"
+    if (why := _why_not_cuda(backend, device)) is not None:
+        return why
     if not isinstance(all_gather_comm, DefaultAllGather):
         return "a custom all-gather (set_custom_all_gather) is installed"
     if compiled_autograd_enabled():
@@ -338,6 +348,8 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     elif len({g.dtype for g in unsharded_grads}) != 1 or any(
             fp.offload_to_cpu for fp in fsdp_params):
         why = "mixed gradient dtypes or CPU offload"
+    elif (cuda_why := _why_not_cuda(backend, device)) is not None:
+        why = cuda_why
     elif device.type == "cuda" and reduce_dtype != torch.float32:
         why = (f"reduce dtype {reduce_dtype} on CUDA (TIDE-RS reduces into fp32 shards: "
                "MixedPrecisionPolicy(reduce_dtype=torch.float32))")

@@ -698,6 +698,15 @@ CudaPath& ProcessGroupTide::cuda_path() {
 }
 #endif
 
+std::pair<std::string, std::string> ProcessGroupTide::cuda_path_choice(int device) {
+#ifdef TIDE_WITH_CUDA
+  return cuda_path().path_choice(device);
+#else
+  (void)device;
+  return {"nccl", "tide was built without CUDA"};
+#endif
+}
+
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
   if (device >= 0) {
 #ifdef TIDE_WITH_CUDA

@@ -113,6 +113,9 @@ void bind_backend(pybind11::module_& m) {
            py::arg("reuse") = nullptr, py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            py::call_guard<py::gil_scoped_release>())
       .def("last_staging_report", &ProcessGroupTide::last_staging_report)
+      .def("cuda_path_choice", &ProcessGroupTide::cuda_path_choice, py::arg("device"),
+           py::call_guard<py::gil_scoped_release>(),
+           "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")
       .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"));
 }
 

@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -89,6 +90,11 @@ class CudaGroup {
   size_t slot_bytes() const { return slot_bytes_; }
   size_t piece_bytes() const { return piece_bytes_; }  // slot_bytes / world_size, 256-aligned
   std::byte* slot(int rank, int index);
+  // Ordering between this rank's own two streams (flags order ranks, events order streams):
+  // recorded on the compute stream once slot `index` was read; on the copy stream after a
+  // window's phase 1.
+  cudaEvent_t slot_free_event(int index) const { return slot_free_[static_cast<size_t>(index)]; }
+  cudaEvent_t phase1_event() const { return phase1_; }
   // Symmetric scratch of at least `bytes` on every rank (collective; same size everywhere).
   CudaSymmetricBuffer& scratch(size_t bytes);
 
@@ -137,7 +143,8 @@ class CudaGroup {
   Capabilities caps_;
   PathChoice ag_path_;
   cudaStream_t copy_ = nullptr, compute_ = nullptr;
-  cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr};
+  cudaEvent_t ev_in_ = nullptr, ev_out_[2] = {nullptr, nullptr}, phase1_ = nullptr;
+  std::vector<cudaEvent_t> slot_free_;
   std::unique_ptr<FdChannel> fds_;
   bool vmm_ = false;  // symmetric memory from cuMemCreate (fds over fds_), else cudaMalloc + IPC
   std::byte* control_ = nullptr;      // host control block, mapped by every rank
@@ -154,7 +161,6 @@ class CudaGroup {
   std::atomic<bool> broken_{false};
   std::shared_ptr<std::atomic<bool>> broken_shared_ = std::make_shared<std::atomic<bool>>(false);
   mutable std::mutex why_mutex_;  // broken_why_: set by fail() or abort(), read anywhere
-  std::mutex wait_mutex_;         // abort() vs enqueuing a wait: none is enqueued after abort
   std::string broken_why_;
 };
 

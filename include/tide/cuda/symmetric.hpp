@@ -65,6 +65,9 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   // Leak at destruction if `*flag` is set by then (the owning group broke: a stream may
   // still use this memory, and waiting for it could hang).
   void leak_if(std::shared_ptr<std::atomic<bool>> flag) { leak_if_ = std::move(flag); }
+  // The owner has synchronized every stream that used the buffer before dropping it, so the
+  // vmm teardown need not wait for the whole device.
+  void owner_synchronizes() { device_sync_ = false; }
 
  private:
   CudaSymmetricBuffer() = default;
@@ -79,7 +82,7 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::shared_ptr<std::atomic<bool>> leak_if_;
   bool leaking() const { return leak_ || (leak_if_ && leak_if_->load()); }
   // vmm only: per rank, the imported (or own) allocation handle and the mapped size.
-  bool vmm_ = false;
+  bool vmm_ = false, device_sync_ = true;
   std::vector<CUmemGenericAllocationHandle> handles_;
   std::vector<size_t> mapped_;
   void allocate_vmm(size_t bytes, FdChannel& fds);

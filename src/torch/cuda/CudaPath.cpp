@@ -11,6 +11,7 @@
 #include "../../core/env.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/group.hpp"
+#include "tide/cuda/probe.hpp"
 #include "tide/error.hpp"
 
 namespace tide::torch_backend {
@@ -194,6 +195,11 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
   return *group_;
 }
 
+std::pair<std::string, std::string> CudaPath::path_choice(int device) {
+  const auto& choice = group(device, "path_choice").allgather_path();
+  return {tide::cuda::path_name(choice.path), choice.reason};
+}
+
 std::shared_ptr<tide::SymmetricBuffer> CudaPath::allocate_symmetric(size_t bytes, int device) {
   auto& g = group(device, "allocate_symmetric");  // first: it probes for a device
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -251,8 +257,10 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGa
   guarded("param_all_gather", [&] { tide::cuda::param_all_gather(g, args, stream); });
   if (tide::env::debug())
     tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
-                                        args.layout->params.size(), " params over ",
-                                        tide::cuda::path_name(g.allgather_path().path)));
+                                        args.layout->params.size(), " params over copy engines",
+                                        g.allgather_path().path == tide::cuda::AllGatherPath::multicast
+                                            ? " (multicast-capable: FSDP2's storages are not multicast-mapped yet)"
+                                            : ""));
   return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
 }
 

@@ -56,6 +56,9 @@ class CudaPath {
   CudaPath(const CudaPath&) = delete;
   CudaPath& operator=(const CudaPath&) = delete;
 
+  // Collective at the first call (creates the group): the node's all-gather path for
+  // `device` ("copy engines", "multicast" or "nccl": no peer access) and why.
+  std::pair<std::string, std::string> path_choice(int device);
   // Collective: CUDA symmetric memory (every rank's part mapped by every rank) on `device`.
   std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes, int device);
   // `outputs` are the tensors the collective writes (the Work's result). Both run on the

@@ -86,8 +86,9 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   struct Record {
     uint64_t staging_bytes;
     int32_t num_slots;
-    uint8_t device, vmm, pad[2];
-  } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here), {}};
+    uint8_t device, vmm, want, pad;  // want: TIDE_CUDA_SYMMETRIC's first letter
+  } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here),
+         static_cast<uint8_t>(want[0]), 0};
   const std::string dkey = ns_ + "/cuda/device/";
   store_->set(dkey + std::to_string(rank_), std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&mine),
                                                                  reinterpret_cast<uint8_t*>(&mine) + sizeof mine));
@@ -101,6 +102,9 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
     TIDE_CHECK(rec.staging_bytes == mine.staging_bytes && rec.num_slots == mine.num_slots, "tide: cuda: rank ", rank_,
                ": rank ", r, " stages ", rec.staging_bytes, " bytes in ", rec.num_slots, " slots, rank ", rank_, " ",
                mine.staging_bytes, " in ", mine.num_slots, " (TIDE_CUDA_STAGING_BYTES must be the same on every rank)");
+    TIDE_CHECK(rec.want == mine.want, "tide: cuda: rank ", rank_, ": TIDE_CUDA_SYMMETRIC differs between rank ", r,
+               " and rank ", rank_, " ('", static_cast<char>(rec.want), "...' vs '", want,
+               "'); it must be the same on every rank");
     devices[r] = rec.device;
     vmm_everywhere = vmm_everywhere && rec.vmm;
   }
@@ -114,6 +118,9 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[0], cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[1], cudaEventDisableTiming));
+  TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&phase1_, cudaEventDisableTiming));
+  slot_free_.assign(static_cast<size_t>(num_slots_), nullptr);
+  for (auto& e : slot_free_) TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 
   // The control block: a memfd rank 0 creates and sends to every peer (nothing named, so
   // nothing outlives the processes), mapped shared by all, registered for the streams.
@@ -134,13 +141,24 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
     ::close(fd);
     TIDE_CHECK(p != MAP_FAILED, "tide: cuda: rank ", rank_, ": mapping the flags failed: ", std::strerror(errno));
     control_ = static_cast<std::byte*>(p);
-    TIDE_CUDA_CHECK(cudaHostRegister(control_, control_bytes_, cudaHostRegisterMapped | cudaHostRegisterPortable));
-    control_registered_ = true;
-    void* dev = nullptr;
-    TIDE_CUDA_CHECK(cudaHostGetDevicePointer(&dev, control_, 0));
-    control_dev_ = static_cast<std::byte*>(dev);
+    // Streams reach it only once registered; host-side flags need no registration.
+    if (cudaHostRegister(control_, control_bytes_, cudaHostRegisterMapped | cudaHostRegisterPortable) == cudaSuccess) {
+      control_registered_ = true;
+      void* dev = nullptr;
+      TIDE_CUDA_CHECK(cudaHostGetDevicePointer(&dev, control_, 0));
+      control_dev_ = static_cast<std::byte*>(dev);
+    } else {
+      (void)cudaGetLastError();
+      env::log(detail::concat("cuda: rank ", rank_, ": cannot register the flags for streams: host-side flags"));
+      mode_ = SyncMode::host;
+    }
   }
-  staging_ = allocate_symmetric(slot_bytes_ * static_cast<size_t>(num_slots_));
+  // Staging only where peers can map it: on the nccl path the group serves no TIDE collective
+  // (they raise, and python/tide/fsdp.py takes FSDP2's stock path over NCCL instead).
+  if (ag_path_.path != AllGatherPath::nccl) {
+    staging_ = allocate_symmetric(slot_bytes_ * static_cast<size_t>(num_slots_));
+    staging_->owner_synchronizes();
+  }
 
   if (mode_ == SyncMode::device) {
     // Stream memory operations on registered host memory: try once on our own inbox (zero).
@@ -184,7 +202,9 @@ CudaGroup::~CudaGroup() {
   if (broken_) return;  // streams may still wait on the flags: leave them to process exit
   if (control_registered_ && cudaHostUnregister(control_) != cudaSuccess) (void)cudaGetLastError();
   if (control_) ::munmap(control_, control_bytes_);
-  for (cudaEvent_t e : {ev_in_, ev_out_[0], ev_out_[1]})
+  for (cudaEvent_t e : {ev_in_, ev_out_[0], ev_out_[1], phase1_})
+    if (e) (void)cudaEventDestroy(e);
+  for (cudaEvent_t e : slot_free_)
     if (e) (void)cudaEventDestroy(e);
   for (cudaStream_t st : {copy_, compute_})
     if (st) (void)cudaStreamDestroy(st);
@@ -216,6 +236,7 @@ CudaSymmetricBuffer& CudaGroup::scratch(size_t bytes) {
     scratch_.reset();
     const size_t mib = size_t(1) << 20;
     scratch_ = allocate_symmetric((bytes + mib - 1) / mib * mib);
+    scratch_->owner_synchronizes();  // only our streams use it; synced above and at teardown
   }
   return *scratch_;
 }
@@ -240,6 +261,7 @@ int CudaGroup::peer_failed() const {
 }
 
 void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
+  if (broken_) throw Error(detail::concat("tide: cuda: rank ", rank_, ": ", collective_, ": ", broken_why()));
   if (mode_ == SyncMode::device) {
     for (int p = 0; p < ws_; ++p) {
       if (p == rank_) continue;
@@ -257,16 +279,21 @@ void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
 void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint32_t value) {
   std::atomic<uint32_t>& word = inbox(rank_, f, peer);
   if (mode_ == SyncMode::device) {
-    std::lock_guard<std::mutex> lock(wait_mutex_);
+    // No lock against abort(): enqueueing may block while the stream's queue is full, and
+    // only an abort would drain it. Instead: epochs advance (next) before their waits, and
+    // abort reads them after setting broken_, so a wait enqueued before broken_ was seen
+    // is covered by abort's release, and one that races it is released here.
     if (broken_) throw Error(detail::concat("tide: cuda: rank ", rank_, ": ", collective_, ": ", broken_why()));
     TIDE_CU_CHECK(driver().cuStreamWaitValue32(reinterpret_cast<CUstream>(stream), device_address(word), value,
                                                CU_STREAM_WAIT_VALUE_GEQ));
+    if (broken_) release_own_waits();
     return;
   }
   auto nap = std::chrono::microseconds(20);
   for (;;) {
     const uint32_t have = word.load(std::memory_order_acquire);
     if (reached(have, value)) return;
+    if (broken_) fail("the group was aborted");
     if (const int r = peer_failed(); r >= 0) fail(detail::concat("rank ", r, " aborted"));
     if (std::chrono::steady_clock::now() > deadline())
       fail(detail::concat("waiting for rank ", peer, "'s ", flag_name(f), " >= ", value, " (it is ", have, ")"));
@@ -327,16 +354,15 @@ void CudaGroup::release_own_waits() {
 }
 
 void CudaGroup::abort(const std::string& why) {
-  std::lock_guard<std::mutex> lock(wait_mutex_);  // no wait is enqueued after this
-  if (!broken_.exchange(true)) {
+  if (!broken_.exchange(true)) {  // seq_cst: waits enqueued after this see it (wait())
     broken_shared_->store(true);
     poison(rank_).store(1, std::memory_order_release);
+    std::string what = detail::concat("tide: cuda: rank ", rank_, " of ", ws_, ": ", why, "; flags:", flags_report());
     {
       std::lock_guard<std::mutex> w(why_mutex_);
-      if (broken_why_.empty())
-        broken_why_ = detail::concat("tide: cuda: rank ", rank_, " of ", ws_, ": ", why, "; flags:", flags_report());
+      if (broken_why_.empty()) broken_why_ = what;
     }
-    std::fprintf(stderr, "[tide] %s\n", broken_why().c_str());  // always: like NCCL's watchdog
+    std::fprintf(stderr, "[tide] %s\n", what.c_str());  // always: like NCCL's watchdog
   }
   release_own_waits();
 }

@@ -26,6 +26,8 @@ namespace tide::cuda {
 StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cudaStream_t stream) {
   const int me = g.rank(), ws = g.world_size();
   TIDE_CHECK(a.layout, "tide: cuda: param_reduce_scatter on rank ", me, ": no layout");
+  TIDE_CHECK(g.allgather_path().path != AllGatherPath::nccl, "tide: cuda: param_reduce_scatter on rank ", me,
+             ": the group's GPUs cannot map each other's memory (", g.allgather_path().reason, "); use NCCL");
   const plan::GroupLayout& layout = *a.layout;
   const size_t np = layout.params.size();
   TIDE_CHECK(layout.world_size == ws, "tide: cuda: param_reduce_scatter on rank ", me, ": layout for world size ",
@@ -107,9 +109,12 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
     t = g.next(CudaGroup::kRsReady);
     (void)g.next(CudaGroup::kRsDone);
     const int idx = static_cast<int>(t % static_cast<uint32_t>(n_slots));
-    // The slot was last used by step t - n_slots: every reader of it must be done.
-    if (t > static_cast<uint32_t>(n_slots))
-      for (int r = 0; r < ws; ++r) g.wait(cs, r, CudaGroup::kRsDone, t - static_cast<uint32_t>(n_slots));
+    // The slot was last used by step t - n_slots: every reader of it must be done. Peers
+    // say so through their rs_done (the cyclic compare also lets the first steps through,
+    // the counters starting at 0); our own compute stream through the slot's event.
+    for (int r = 0; r < ws; ++r)
+      if (r != me) g.wait(cs, r, CudaGroup::kRsDone, t - static_cast<uint32_t>(n_slots));
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(cs, g.slot_free_event(idx), 0));
     std::byte* my_slot = slot_of(me, idx);
     // Phase 1: my slices for every destination into piece d of my slot.
     mine.clear();
@@ -139,8 +144,12 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
     }
     batch.flush();
     g.post(cs, CudaGroup::kRsReady, t);
-    // Phase 2: every rank's piece `me`, in rank order, into my fp32 shard.
-    for (int r = 0; r < ws; ++r) g.wait(ks, r, CudaGroup::kRsReady, t);
+    // Phase 2: every rank's piece `me`, in rank order, into my fp32 shard: after the peers'
+    // rs_ready and after our own phase 1 (an event: flags are only for other ranks).
+    TIDE_CUDA_CHECK(cudaEventRecord(g.phase1_event(), cs));
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(ks, g.phase1_event(), 0));
+    for (int r = 0; r < ws; ++r)
+      if (r != me) g.wait(ks, r, CudaGroup::kRsReady, t);
     for (const Mine& m : mine) {
       const size_t at = static_cast<size_t>(me) * piece + static_cast<size_t>(m.pos) * ges;
       float* dst = out + a.out_offsets[m.p] + m.lo;
@@ -158,6 +167,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
       if (!one_launch && scale != 1.f) TIDE_CUDA_CHECK(launch_scale_f32(dst, count, scale, ks));
     }
     g.post(ks, CudaGroup::kRsDone, t);
+    TIDE_CUDA_CHECK(cudaEventRecord(g.slot_free_event(idx), ks));
   }
   // Reused slots belong to the caller again on return: no peer may still read mine.
   if (report.reused_slots > 0 && steps > 0)

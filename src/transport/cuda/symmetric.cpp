@@ -202,8 +202,13 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
 void CudaSymmetricBuffer::destroy_vmm() {
   const Driver* d = try_driver();
   if (!d) return;
-  // Our streams may still read or write these mappings (cudaFree would wait for them too).
-  if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
+  if (previous != device_ && cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+  // Any stream of this process may still read or write these mappings (FSDP2's optimizer
+  // writes shards on its own stream): wait for the device, as cudaFree would. Owners that
+  // synchronized the only streams using the buffer say so (device_sync_ false).
+  if (device_sync_ && cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
   for (int r = 0; r < world_size_; ++r) {
     const auto va = reinterpret_cast<CUdeviceptr>(ptrs_[r]);
     if (va && mapped_[r]) {
@@ -212,6 +217,7 @@ void CudaSymmetricBuffer::destroy_vmm() {
     }
     if (handles_[r]) (void)d->cuMemRelease(handles_[r]);  // physical memory goes with the last holder
   }
+  if (previous >= 0 && previous != device_ && cudaSetDevice(previous) != cudaSuccess) (void)cudaGetLastError();
 }
 
 CudaSymmetricBuffer::~CudaSymmetricBuffer() {
@@ -220,13 +226,14 @@ CudaSymmetricBuffer::~CudaSymmetricBuffer() {
     if (!leaking()) destroy_vmm();  // after an abort a stream may still use this memory
     return;
   }
-  // ipc: close what we opened, then free our part once every peer closed theirs.
+  // ipc: close what we opened, then free our part once every peer closed theirs. Leaking:
+  // nothing at all (a released stream may still copy through the mappings).
+  if (leaking()) return;
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_ || !ptrs_[r]) continue;
     if (cudaIpcCloseMemHandle(ptrs_[r]) != cudaSuccess) (void)cudaGetLastError();
   }
   if (!own_) return;
-  if (leaking()) return;
   bool all_closed = world_size_ == 1;
   if (!all_closed) {
     try {
