@@ -25,6 +25,12 @@ struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   int num_threads = 0;        // copy/reduce threads per rank; 0: TIDE_NUM_THREADS or a default
   size_t staging_bytes = 0;   // shared-memory staging per rank; 0: TIDE_SHM_STAGING_BYTES or default
+  // param_all_gather's algorithm: "direct" (every rank reads every shard from its owner:
+  // one host), "doubling" (the inter-node paced recursive doubling, through staging);
+  // empty: TIDE_HOST_ALLGATHER or "direct". Pace: bytes per rank and round, at most a slot;
+  // 0: TIDE_ALLGATHER_PACE_BYTES or a slot. Ranks must agree (checked).
+  std::string allgather_algorithm;
+  size_t allgather_pace_bytes = 0;
 };
 
 struct ReduceArgs {

@@ -8,6 +8,9 @@
 //                           at most 8; 1 = the calling thread only
 //   TIDE_CMA                1 lets all_gather read peers' inputs directly (process_vm_readv)
 //                           when a probe at creation shows it works; default 0 (staging)
+//   TIDE_HOST_ALLGATHER     param_all_gather: direct (default) or doubling (the inter-node
+//                           paced recursive doubling, through staging); ranks must agree
+//   TIDE_ALLGATHER_PACE_BYTES  bytes per rank and doubling round, default one slot
 //   TIDE_DEBUG              1 prints the transport, threads, staging and CMA decision
 #pragma once
 #include <memory>

@@ -68,6 +68,9 @@ void send(Ctx& c, const void* buf, size_t bytes, int peer, int tag);
 // The FSDP2 zero-copy path (param_all_gather.cpp, param_reduce_scatter.cpp). Arguments are
 // checked and agreed; the descriptor exchange before them is the opening barrier.
 void param_all_gather(Ctx& c, const ParamAllGather& args);
+// The same result by paced recursive doubling (plan::allgather_schedule), through staging:
+// the inter-node algorithm, run on one host (param_all_gather_doubling.cpp).
+void param_all_gather_doubling(Ctx& c, const ParamAllGather& args, size_t pace_bytes);
 StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& args);
 void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag);
 

@@ -2,11 +2,13 @@
 // exchange per call), then runs the algorithm over its transport. Any error breaks it and
 // raises the transport's abort flag, so peers fail fast instead of waiting out the timeout.
 #include <bit>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <vector>
 
 #include "../core/convert.hpp"
+#include "../core/env.hpp"
 #include "algorithms.hpp"
 #include "tide/error.hpp"
 #include "tide/host_transport.hpp"
@@ -112,7 +114,8 @@ bool same(const Desc& a, const Desc& b) {
 
 class HostComm final : public Comm {
  public:
-  HostComm(std::unique_ptr<Transport> t) : t_(std::move(t)), ctx_(*t_), rank_(t_->rank()), ws_(t_->world_size()) {
+  HostComm(std::unique_ptr<Transport> t, bool doubling, size_t pace)
+      : t_(std::move(t)), ctx_(*t_), rank_(t_->rank()), ws_(t_->world_size()), doubling_(doubling), pace_(pace) {
     record_ = sizeof(Desc) + 16 * static_cast<size_t>(ws_);
   }
 
@@ -235,6 +238,7 @@ class HostComm final : public Comm {
     if (a.layout) {
       uint64_t h = kFnvBasis;
       for (size_t o : a.shard_offsets) h = fnv(h, o);
+      h = fnv(h, doubling_ ? pace_ + 1 : 0);  // the ranks must run the same algorithm
       d.aux = h;
     }
     run(d, [&] {
@@ -261,7 +265,10 @@ class HostComm final : public Comm {
                      a.shard_offsets[p], ", ", need, ") of the shards buffer, which has ", a.shards->bytes(r),
                      " bytes on rank ", r);
         }
-      algo::param_all_gather(ctx_, a);
+      if (doubling_)
+        algo::param_all_gather_doubling(ctx_, a, pace_);
+      else
+        algo::param_all_gather(ctx_, a);
     });
   }
 
@@ -443,6 +450,8 @@ class HostComm final : public Comm {
   std::unique_ptr<Transport> t_;
   algo::Ctx ctx_;
   int rank_, ws_;
+  bool doubling_;  // param_all_gather by recursive doubling (CommOptions::allgather_algorithm)
+  size_t pace_;
   size_t record_;
   std::vector<Desc> descs_;  // every rank's descriptor of the current collective
   bool broken_ = false, broken_timeout_ = false;
@@ -453,7 +462,17 @@ class HostComm final : public Comm {
 
 std::unique_ptr<Comm> make_host_comm(Store& store, const std::string& ns, int rank, int world_size,
                                      CommOptions options) {
-  return std::make_unique<HostComm>(make_host_transport(store, ns, rank, world_size, options));
+  std::string algorithm = options.allgather_algorithm;
+  if (algorithm.empty()) {
+    const char* v = std::getenv("TIDE_HOST_ALLGATHER");
+    algorithm = v && *v ? v : "direct";
+  }
+  TIDE_CHECK(algorithm == "direct" || algorithm == "doubling", "tide: TIDE_HOST_ALLGATHER='", algorithm,
+             "' is not 'direct' or 'doubling'");
+  const size_t pace = options.allgather_pace_bytes ? options.allgather_pace_bytes
+                                                   : env::get_bytes("TIDE_ALLGATHER_PACE_BYTES", 0);
+  return std::make_unique<HostComm>(make_host_transport(store, ns, rank, world_size, options), algorithm == "doubling",
+                                    pace);
 }
 
 }  // namespace tide

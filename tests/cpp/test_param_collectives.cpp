@@ -28,9 +28,11 @@ class ParamCollectives : public ::testing::TestWithParam<int> {
   }
 };
 
-TEST_P(ParamCollectives, AllGather) {
-  run([](Rank& rk) {
-    auto comm = rk.comm(opts());
+// Three rounds of random groups into f32 / bf16 / f16 storages, every element checked
+// against the reference sharding, padding bytes untouched.
+void all_gather_cases(Rank& rk, Comm& c) {
+  Comm* comm = &c;
+  {
     const int ws = rk.world_size, me = rk.rank;
     for (int round = 0; round < 3; ++round)
       for (DType st : {DType::f32, DType::bf16, DType::f16}) {
@@ -84,7 +86,44 @@ TEST_P(ParamCollectives, AllGather) {
             TIDE_REQUIRE(storage[p][i] == 0xab, "param ", p, ": storage padding byte ", i, " was written");
         }
       }
+  }
+}
+
+TEST_P(ParamCollectives, AllGather) {
+  run([](Rank& rk) { all_gather_cases(rk, *rk.comm(opts())); });
+}
+
+// The inter-node algorithm on the host: a 96-byte pace makes many rounds per step, and 16 KiB
+// of staging (two 8 KiB slots) makes the slots wrap many times.
+CommOptions doubling(size_t pace = 96) {
+  CommOptions o = opts();
+  o.allgather_algorithm = "doubling";
+  o.allgather_pace_bytes = pace;
+  return o;
+}
+
+TEST_P(ParamCollectives, AllGatherByRecursiveDoubling) {
+  run([](Rank& rk) { all_gather_cases(rk, *rk.comm(doubling())); });
+}
+
+TEST(ParamDoubling, NonPowerOfTwoWorldSizesAndRanksDisagreeing) {
+  for (int ws : {5, 7}) {
+    auto out = run_ranks(ws, [](Rank& rk) { all_gather_cases(rk, *rk.comm(doubling(4096))); },
+                         std::chrono::seconds(90));
+    EXPECT_TRUE(all_ok(out)) << "ws=" << ws << "\n" << describe(out);
+  }
+  // One rank direct, the others doubling: every rank must refuse, not deadlock.
+  auto out = run_ranks(2, [](Rank& rk) {
+    auto comm = rk.comm(rk.rank == 0 ? opts() : doubling());
+    try {
+      all_gather_cases(rk, *comm);
+    } catch (const Error& e) {
+      rk.report(e.what());
+      return;
+    }
+    TIDE_REQUIRE(false, "no error");
   });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
 }
 
 // One reduce-scatter case: param path vs (a) float64 reference, (b) Comm::reduce_scatter on

@@ -214,6 +214,20 @@ def test_more_fsdp2_features_match_stock(opts, stock_paths, monkeypatch):
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"{opts}")
 
 
+def test_recursive_doubling_all_gather_in_fsdp2_matches_stock(monkeypatch):
+    """The inter-node algorithm (paced recursive doubling, 4 KiB rounds), run by the host
+    transport inside bf16 FSDP2 training at a world size that is not a power of two: the
+    same bits as FSDP2's stock path."""
+    monkeypatch.setenv("TIDE_HOST_ALLGATHER", "doubling")
+    monkeypatch.setenv("TIDE_ALLGATHER_PACE_BYTES", "4096")
+    zc = run_ranks(train_worker, 3, True, True)
+    monkeypatch.delenv("TIDE_HOST_ALLGATHER")
+    stock = run_ranks(train_worker, 3, False, True)
+    assert_zero_copy_ran(zc[0])
+    assert_params_equal(zc[0]["params"], stock[0]["params"], "recursive doubling vs stock")
+    assert zc[0]["losses"] == stock[0]["losses"]
+
+
 def test_no_layout_copies_in_a_tide_step():
     copies = {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat"}
     zc = run_ranks(train_worker, 2, True, kwargs=dict(profile=True))
