@@ -61,7 +61,7 @@ echo "== 4. benchmarks" >&2
 run "$nvcc" -O3 -std=c++20 -arch=sm_90 -Iinclude benchmarks/gpu/bench_cuda.cu kernels/accumulate.cu kernels/cast.cu \
   -lcublas -o "$build/bench_cuda"
 mkdir -p benchmarks/results
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_-')
+gpu=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_-')
 result=benchmarks/results/cuda_${gpu:-gpu}.json
 run timeout 180 "$build/bench_cuda" "$result" || status=$?
 if [ -n "${OUT:-}" ] && [ -f "$result" ]; then cp "$result" "$OUT/"; fi
