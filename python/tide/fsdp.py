@@ -13,7 +13,8 @@ backend is tide and hand everything else to the originals unchanged:
   over ranks, in fp32 and rank order, into the flat sharded-gradient output that FSDP2
   views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
   bounded and independent of the world size. With ``TIDE_SLOT_REUSE=1`` the staging goes
-  into the layer's vacated all-gather storage (Slot-Reuse; host only so far).
+  into the layer's vacated all-gather storage (Slot-Reuse; on CUDA the storages then come
+  from a symmetric pool, python/tide/_pool.py).
 
 On CUDA tensors (a tide build with CUDA) the same two paths run on the GPUs of the node
 (src/torch/cuda, src/transport/cuda): the shards live in CUDA symmetric memory, copy
@@ -134,6 +135,9 @@ class _GroupState:
     capacity: int = 0  # bytes of this rank's part of `shards`
     storage: object = None
     storage_regions: list = None  # (offset, bytes) per parameter, page-aligned
+    # CUDA with Slot-Reuse: the pool (shared by the groups of one process group and device)
+    # that the unsharded storages and the reduce-scatter staging come from.
+    pool: object = None
 
 
 _PAGE = 4096
@@ -196,17 +200,46 @@ def _group_state(fsdp_params, group, backend, device):
     # Off by default on the host: the communicator's staging exists anyway, so reusing
     # vacated storage saves no memory there, and returning its pages at every reshard
     # costs page faults at every unshard (about 5% of the demo's step).
-    # On CUDA the unsharded storages stay FSDP2's (caching allocator, freed at reshard):
-    # keeping them in symmetric device memory would hold every layer's parameters unsharded
-    # (a pool that maps and unmaps physical memory is the missing piece, docs/status.md).
-    slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0" and device.type == "cpu"
-    if slot_reuse and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
+    slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0"
+    if slot_reuse and device.type == "cuda":
+        # The unsharded storages come from a symmetric pool (python/tide/_pool.py), so that
+        # vacated ones can hold the reduce-scatter's staging.
+        state.pool = _cuda_pool(backend, device, state)
+    elif slot_reuse and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
         _home_unsharded_storages(state, group, backend)
     for fp in fsdp_params:
         fp._tide_state = state
     _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory on "
            f"{shards.device} ({total} bytes per rank)")
     return state
+
+
+# One pool per (process group backend, device), alive while a group state holds it.
+_cuda_pools: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _cuda_pool(backend, device, state):
+    """The symmetric pool for this backend and device, created (collectively) by the first
+    group that asks: TIDE_CUDA_POOL_BYTES, or three times that group's unsharded storages
+    plus the reduce-scatter's staging, in 2 MiB units. Every rank computes the same size."""
+    from ._pool import SymmetricPool
+
+    key = (id(backend), _device_index(device))
+    pool = _cuda_pools.get(key)
+    if pool is not None and pool.backend is backend:
+        return pool
+    slot_bytes, num_slots = backend.cuda_staging_geometry(_device_index(device))
+    storages = sum(lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
+                   for fp, lp in zip(_params(state), state.layout.params))
+    capacity = int(os.environ.get("TIDE_CUDA_POOL_BYTES", "0") or 0) or (
+        3 * storages + slot_bytes * num_slots + 4096)
+    capacity = (capacity + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    pool = SymmetricPool(backend.allocate_symmetric(capacity, _device_index(device)), capacity)
+    pool.backend, pool.rank = backend, backend.rank()
+    pool.staging = (slot_bytes, num_slots)
+    _cuda_pools[key] = pool
+    _debug(f"cuda: a {capacity}-byte symmetric pool for unsharded storages and staging")
+    return pool
 
 
 def _home_unsharded_storages(state, group, backend):
@@ -231,6 +264,16 @@ def _free_unsharded_param(self):
     """FSDPParam.free_unsharded_param for storages homed in symmetric memory, and for CUDA
     storages TIDE-AG allocated on the all-gather stream: the caching allocator must not hand
     them out there again before the compute that read them on the current stream is done."""
+    block = getattr(self, "_tide_pool_block", None)
+    if block is not None:
+        # Back to the pool, in stream order: the next user waits for this event.
+        pool, offset, nbytes = block
+        storage = self.all_gather_outputs[0]
+        event = torch.cuda.current_stream(storage.device).record_event()
+        _C.point_storage(storage, pool.memory, pool.rank, 0, 0)
+        pool.release(offset, nbytes, event)
+        self._tide_pool_block = None
+        return
     region = getattr(self, "_tide_storage_region", None)
     if region is None or not self.all_gather_outputs:
         if getattr(self, "_tide_ag_stream_storage", False):
@@ -264,12 +307,24 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
     dtypes = [[fp.param_dtype or fp.orig_dtype] for fp in fsdp_params]
     numels = [[fp._sharded_param_data.numel()] for fp in fsdp_params]
 
-    def alloc_storages():
+    def alloc_storages(stream=None):
         storages = []
         for fp, dtype, numel in zip(fsdp_params, dtypes, numels):
             fp.init_all_gather_outputs(numel, dtype, ws, device)
-            fp.alloc_all_gather_outputs()
-            storages.append(fp.all_gather_outputs[0])
+            storage = fp.all_gather_outputs[0]
+            got = None
+            if state.pool is not None and getattr(fp, "_tide_pool_block", None) is None:
+                nbytes = storage.numel() * storage.element_size()
+                got = state.pool.alloc(nbytes)
+            if got is not None:  # Slot-Reuse on CUDA: the storage comes from the pool
+                offset, events = got
+                for event in events:
+                    stream.wait_event(event)
+                _C.point_storage(storage, state.pool.memory, state.pool.rank, offset, nbytes)
+                fp._tide_pool_block = (state.pool, offset, nbytes)
+            else:
+                fp.alloc_all_gather_outputs()
+            storages.append(storage)
         return storages
 
     event = None
@@ -281,7 +336,7 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
         if all_gather_stream != all_gather_copy_in_stream:
             all_gather_stream.wait_stream(all_gather_copy_in_stream)
         with torch.cuda.stream(all_gather_stream):
-            storages = alloc_storages()
+            storages = alloc_storages(all_gather_stream)
             for fp in fsdp_params:
                 fp._tide_ag_stream_storage = True
             work = backend.param_all_gather(state.layout, state.shards, state.offsets,
@@ -373,7 +428,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         return _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets,
                                     padded, reduce_scatter_stream, all_reduce_stream,
                                     reduce_dtype, rs_op, postdivide, orig_dtype, all_reduce_hook,
-                                    backend, device)
+                                    backend, device, state.pool if state is not None else None)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
     work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
@@ -401,13 +456,27 @@ def _reduce_scatter_done(fsdp_params, backend, device):
 
 def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
                          reduce_scatter_stream, all_reduce_stream, reduce_dtype, rs_op,
-                         postdivide, orig_dtype, all_reduce_hook, backend, device):
+                         postdivide, orig_dtype, all_reduce_hook, backend, device, pool):
     """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
-    backward compute that made the gradients, and with events for FSDP2 to wait on."""
+    backward compute that made the gradients, and with events for FSDP2 to wait on. With a
+    pool (Slot-Reuse), the staging goes into pool memory the all-gathers vacated."""
     reduce_scatter_stream.wait_stream(torch.cuda.current_stream(device))
+    reuse, regions, block = None, [], None
+    if pool is not None:
+        slot_bytes, num_slots = pool.staging
+        block = pool.alloc(slot_bytes * num_slots + 4096)  # + room to align the slots
     with torch.cuda.stream(reduce_scatter_stream):
+        if block is not None:
+            offset, events = block
+            for event in events:
+                reduce_scatter_stream.wait_event(event)
+            reuse, regions = pool.memory, [(offset, slot_bytes * num_slots + 4096)]
         reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
-        backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op, None, [])
+        backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op, reuse,
+                                     regions)
+        if block is not None:  # free again once this stream is past the reduce-scatter
+            pool.release(block[0], slot_bytes * num_slots + 4096,
+                         reduce_scatter_stream.record_event())
         # The group's copy stream reads the gradients in place: they go back to the
         # allocator only after this stream's work so far (which waits for those reads).
         for g in grads:

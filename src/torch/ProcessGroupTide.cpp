@@ -707,6 +707,14 @@ std::pair<std::string, std::string> ProcessGroupTide::cuda_path_choice(int devic
 #endif
 }
 
+std::pair<size_t, int> ProcessGroupTide::cuda_staging_geometry(int device) {
+#ifdef TIDE_WITH_CUDA
+  return cuda_path().staging_geometry(device);
+#else
+  TORCH_CHECK(false, "tide cuda_staging_geometry: rank ", getRank(), ": tide was built without CUDA (cuda:", device, ")");
+#endif
+}
+
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
   if (device >= 0) {
 #ifdef TIDE_WITH_CUDA

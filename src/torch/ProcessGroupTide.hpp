@@ -121,6 +121,8 @@ class ProcessGroupTide : public c10d::Backend {
   // The CUDA all-gather path of this node for `device` and why ("nccl": the GPUs cannot map
   // each other's memory, so FSDP2 keeps its stock path). Collective at the first CUDA call.
   std::pair<std::string, std::string> cuda_path_choice(int device);
+  // TIDE-RS staging on CUDA: (slot bytes, slots), for Slot-Reuse regions that fit them.
+  std::pair<size_t, int> cuda_staging_geometry(int device);
 
  private:
   // Queues `fn` on the worker thread; the Work completes when it returns or throws.

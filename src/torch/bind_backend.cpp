@@ -66,6 +66,30 @@ void move_storage(const at::Tensor& t, const std::shared_ptr<SymmetricBuffer>& b
       dst, keep, [](void* ctx) { delete static_cast<std::shared_ptr<SymmetricBuffer>*>(ctx); },
       device));
 }
+
+// Points a tensor's storage (every alias follows) at `nbytes` of `rank`'s part of `buf` at
+// `offset`, or, with nbytes 0, leaves it empty: FSDP2's unsharded storage, allocated from
+// and freed to python/tide/_pool.py instead of the caching allocator. Nothing is copied; the
+// memory stays mapped while the storage points there.
+void point_storage(const at::Tensor& t, const std::shared_ptr<SymmetricBuffer>& buf, int rank, size_t offset,
+                   size_t nbytes) {
+  const c10::Device device = device_of(*buf);
+  TORCH_CHECK(t.device() == device, "tide: point_storage: a tensor on ", t.device(),
+              " cannot point into symmetric memory on ", device);
+  auto* impl = t.storage().unsafeGetStorageImpl();
+  if (nbytes == 0) {
+    impl->set_data_ptr_noswap(c10::DataPtr(nullptr, device));
+    impl->set_nbytes(0);
+    return;
+  }
+  TORCH_CHECK(offset + nbytes <= buf->bytes(rank), "tide: point_storage: ", nbytes, " bytes at offset ", offset,
+              " do not fit rank ", rank, "'s ", buf->bytes(rank), " bytes of symmetric memory");
+  auto* keep = new std::shared_ptr<SymmetricBuffer>(buf);
+  impl->set_data_ptr_noswap(c10::DataPtr(
+      buf->peer(rank) + offset, keep, [](void* ctx) { delete static_cast<std::shared_ptr<SymmetricBuffer>*>(ctx); },
+      device));
+  impl->set_nbytes(nbytes);
+}
 }  // namespace
 
 void bind_backend(pybind11::module_& m) {
@@ -87,6 +111,8 @@ void bind_backend(pybind11::module_& m) {
 
   m.def("move_storage", &move_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
         py::arg("offset"));
+  m.def("point_storage", &point_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
+        py::arg("offset"), py::arg("nbytes"));
 
   py::class_<StagingReport>(m, "StagingReport")
       .def_readonly("slot_bytes", &StagingReport::slot_bytes)
@@ -113,6 +139,9 @@ void bind_backend(pybind11::module_& m) {
            py::arg("reuse") = nullptr, py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            py::call_guard<py::gil_scoped_release>())
       .def("last_staging_report", &ProcessGroupTide::last_staging_report)
+      .def("cuda_staging_geometry", &ProcessGroupTide::cuda_staging_geometry, py::arg("device"),
+           py::call_guard<py::gil_scoped_release>(),
+           "(slot_bytes, num_slots) of TIDE-RS's staging on cuda:device (collective at the first CUDA call).")
       .def("cuda_path_choice", &ProcessGroupTide::cuda_path_choice, py::arg("device"),
            py::call_guard<py::gil_scoped_release>(),
            "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")

@@ -221,7 +221,7 @@ STEPS = 3
 
 
 def fsdp_worker(rank, ws, device_type, zero_copy=True, bf16=False, shard1=False,
-                profile=False):
+                profile=False, slot_reuse=False):
     """AwkwardModel (tests/python/test_fsdp_zero_copy.py) under FSDP2; returns the losses
     and this rank's local shards on the CPU (no CUDA collective: NCCL is not usable with
     several ranks on one GPU)."""
@@ -232,6 +232,9 @@ def fsdp_worker(rank, ws, device_type, zero_copy=True, bf16=False, shard1=False,
     import tide.fsdp
     from test_fsdp_zero_copy import AwkwardModel, batch, loss_of
 
+    import os
+
+    os.environ["TIDE_SLOT_REUSE"] = "1" if slot_reuse else "0"
     if not zero_copy:
         tide.fsdp.uninstall()
     dev = _set_device(rank) if device_type == "cuda" else torch.device("cpu")
@@ -265,7 +268,13 @@ def fsdp_worker(rank, ws, device_type, zero_copy=True, bf16=False, shard1=False,
     if dev.type == "cuda":
         torch.cuda.synchronize()
     shards = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
-    return dict(losses=losses, shards=shards, stats=dict(tide.fsdp.stats), names=names)
+    reused = None
+    if zero_copy and device_type == "cuda":
+        import torch.distributed as dist
+
+        reused = dist.group.WORLD._get_backend(dev).last_staging_report().reused_slots
+    return dict(losses=losses, shards=shards, stats=dict(tide.fsdp.stats), names=names,
+                reused_slots=reused)
 
 
 def _assert_close(a, b, atol, what):
@@ -307,6 +316,16 @@ def test_fsdp2_bf16_on_cuda_matches_reference():
     for r in range(2):
         assert cuda[r]["stats"]["zero_copy_reduce_scatter"] > 0, cuda[r]["stats"]
         _assert_close(cuda[r]["shards"], gloo[r]["shards"], 1e-2, f"rank {r} bf16 vs fp32")
+
+
+def test_slot_reuse_on_cuda_stages_in_vacated_storage():
+    """TIDE_SLOT_REUSE=1: unsharded storages from the symmetric pool, the reduce-scatter's
+    staging in pool memory the all-gathers vacated; the same training as stock on gloo."""
+    cuda = run_ranks(fsdp_worker, 2, "cuda", kwargs=dict(slot_reuse=True), timeout=300)
+    gloo = _stock_on_gloo(2)
+    for r in range(2):
+        assert cuda[r]["reused_slots"], f"rank {r}: no staging slot was reused"
+        _assert_close(cuda[r]["shards"], gloo[r]["shards"], 1e-4, f"rank {r} slot-reuse vs gloo")
 
 
 def test_no_layout_copies_in_a_cuda_step():

@@ -200,6 +200,11 @@ std::pair<std::string, std::string> CudaPath::path_choice(int device) {
   return {tide::cuda::path_name(choice.path), choice.reason};
 }
 
+std::pair<size_t, int> CudaPath::staging_geometry(int device) {
+  auto& g = group(device, "staging_geometry");
+  return {g.slot_bytes(), g.num_slots()};
+}
+
 std::shared_ptr<tide::SymmetricBuffer> CudaPath::allocate_symmetric(size_t bytes, int device) {
   auto& g = group(device, "allocate_symmetric");  // first: it probes for a device
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));

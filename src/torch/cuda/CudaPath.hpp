@@ -59,6 +59,8 @@ class CudaPath {
   // Collective at the first call (creates the group): the node's all-gather path for
   // `device` ("copy engines", "multicast" or "nccl": no peer access) and why.
   std::pair<std::string, std::string> path_choice(int device);
+  // (slot bytes, slots) of the group's TIDE-RS staging.
+  std::pair<size_t, int> staging_geometry(int device);
   // Collective: CUDA symmetric memory (every rank's part mapped by every rank) on `device`.
   std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes, int device);
   // `outputs` are the tensors the collective writes (the Work's result). Both run on the

@@ -1,0 +1,68 @@
+"""A stream-ordered sub-allocator over one symmetric buffer, for FSDP2's unsharded storages
+on CUDA (Slot-Reuse): its blocks live at the same offsets on every rank, because every rank
+makes the same requests in the same order (FSDP2's schedule is the same program on every
+rank) and the decisions depend only on those requests. So a storage vacated at reshard is
+memory every peer can address, and the reduce-scatter can stage in it.
+
+Freeing is stream-ordered, as in torch's caching allocator: a freed block carries the
+events recorded on the streams that last used it, and whoever takes it next makes its own
+stream wait for them. Events never influence where a block goes (they differ per rank).
+"""
+from __future__ import annotations
+
+ALIGN = 256  # bytes: 16-byte vector loads, copy-engine friendly
+
+
+def _round_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class SymmetricPool:
+    """First-fit over [0, capacity) with coalescing; see the module docstring."""
+
+    def __init__(self, memory, capacity: int):
+        self.memory = memory  # tide._C.SymmetricMemory (or anything, for the tests)
+        self.capacity = capacity
+        self._free = [[0, capacity, []]]  # [offset, size, events], sorted by offset
+
+    def alloc(self, nbytes: int):
+        """(offset, events to wait for) of a block of at least nbytes, or None when full."""
+        n = _round_up(max(nbytes, 1))
+        for i, (off, size, events) in enumerate(self._free):
+            if size < n:
+                continue
+            if size == n:
+                del self._free[i]
+            else:
+                self._free[i] = [off + n, size - n, list(events)]
+            return off, [e for e in events if not e.query()]
+        return None
+
+    def release(self, offset: int, nbytes: int, event) -> None:
+        """Gives a block back; `event` (recorded on the stream that used it last) must
+        complete before the memory is used again."""
+        n = _round_up(max(nbytes, 1))
+        events = [event] if event is not None else []
+        i = 0
+        while i < len(self._free) and self._free[i][0] < offset:
+            i += 1
+        if i > 0:
+            prev = self._free[i - 1]
+            assert prev[0] + prev[1] <= offset, "tide: pool: double free or overlap"
+        if i < len(self._free):
+            assert offset + n <= self._free[i][0], "tide: pool: double free or overlap"
+        self._free.insert(i, [offset, n, events])
+        # Coalesce with the neighbours; events of merged blocks stay (pending ones only).
+        if i + 1 < len(self._free) and offset + n == self._free[i + 1][0]:
+            nxt = self._free.pop(i + 1)
+            self._free[i][1] += nxt[1]
+            self._free[i][2] += nxt[2]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
+            cur = self._free.pop(i)
+            self._free[i - 1][1] += cur[1]
+            self._free[i - 1][2] += cur[2]
+            i -= 1
+        self._free[i][2] = [e for e in self._free[i][2] if not e.query()]
+
+    def free_bytes(self) -> int:
+        return sum(size for _, size, _ in self._free)
