@@ -7,6 +7,11 @@ memory every peer can address, and the reduce-scatter can stage in it.
 Freeing is stream-ordered, as in torch's caching allocator: a freed block carries the
 events recorded on the streams that last used it, and whoever takes it next makes its own
 stream wait for them. Events never influence where a block goes (they differ per rank).
+
+Freed blocks rest in a FIFO quarantine before they can be handed out again, oldest first
+and only when nothing else fits: FSDP2 frees layer i's storage right before it prefetches
+layer i+1's, and handing back the same block would make that all-gather wait for layer i's
+compute (the caching allocator avoids the same trap with record_stream).
 """
 from __future__ import annotations
 
@@ -24,10 +29,18 @@ class SymmetricPool:
         self.memory = memory  # tide._C.SymmetricMemory (or anything, for the tests)
         self.capacity = capacity
         self._free = [[0, capacity, []]]  # [offset, size, events], sorted by offset
+        self._quarantine = []  # [offset, size, events], oldest first
 
     def alloc(self, nbytes: int):
         """(offset, events to wait for) of a block of at least nbytes, or None when full."""
         n = _round_up(max(nbytes, 1))
+        while True:
+            got = self._first_fit(n)
+            if got is not None or not self._quarantine:
+                return got
+            self._insert(*self._quarantine.pop(0))  # the oldest freed block becomes usable
+
+    def _first_fit(self, n: int):
         for i, (off, size, events) in enumerate(self._free):
             if size < n:
                 continue
@@ -42,7 +55,11 @@ class SymmetricPool:
         """Gives a block back; `event` (recorded on the stream that used it last) must
         complete before the memory is used again."""
         n = _round_up(max(nbytes, 1))
-        events = [event] if event is not None else []
+        for off, size, _ in self._quarantine:
+            assert offset + n <= off or off + size <= offset, "tide: pool: double free or overlap"
+        self._quarantine.append([offset, n, [event] if event is not None else []])
+
+    def _insert(self, offset: int, n: int, events: list) -> None:
         i = 0
         while i < len(self._free) and self._free[i][0] < offset:
             i += 1
@@ -65,4 +82,4 @@ class SymmetricPool:
         self._free[i][2] = [e for e in self._free[i][2] if not e.query()]
 
     def free_bytes(self) -> int:
-        return sum(size for _, size, _ in self._free)
+        return sum(size for _, size, _ in self._free) + sum(size for _, size, _ in self._quarantine)

@@ -26,6 +26,7 @@ FSDP2's own streams with events, as its stock path is; nothing waits on the host
 """
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 import weakref
@@ -214,14 +215,27 @@ def _group_state(fsdp_params, group, backend, device):
     return state
 
 
-# One pool per (process group backend, device), alive while a group state holds it.
-_cuda_pools: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+# One pool per (process group backend, device), held until release_cuda_pools() or exit:
+# whether a pool exists must not depend on when each rank's garbage collector ran, since
+# creating one is collective.
+_cuda_pools: dict = {}
+
+
+def release_cuda_pools() -> None:
+    """Frees the CUDA Slot-Reuse pools (every rank, at the same point: after the models
+    that use them are gone, before their process group is destroyed)."""
+    _cuda_pools.clear()
+
+
+atexit.register(release_cuda_pools)
 
 
 def _cuda_pool(backend, device, state):
     """The symmetric pool for this backend and device, created (collectively) by the first
-    group that asks: TIDE_CUDA_POOL_BYTES, or three times that group's unsharded storages
-    plus the reduce-scatter's staging, in 2 MiB units. Every rank computes the same size."""
+    group that asks: TIDE_CUDA_POOL_BYTES, or twice that group's unsharded storages plus the
+    reduce-scatter's staging, in 2 MiB units (every rank computes the same size). Size it
+    to the peak of concurrently unsharded groups; what does not fit takes FSDP2's
+    allocator."""
     from ._pool import SymmetricPool
 
     key = (id(backend), _device_index(device))
@@ -232,10 +246,11 @@ def _cuda_pool(backend, device, state):
     storages = sum(lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
                    for fp, lp in zip(_params(state), state.layout.params))
     capacity = int(os.environ.get("TIDE_CUDA_POOL_BYTES", "0") or 0) or (
-        3 * storages + slot_bytes * num_slots + 4096)
+        2 * storages + slot_bytes * num_slots + 4096)
     capacity = (capacity + (2 << 20) - 1) // (2 << 20) * (2 << 20)
     pool = SymmetricPool(backend.allocate_symmetric(capacity, _device_index(device)), capacity)
-    pool.backend, pool.rank = backend, backend.rank()
+    pool.backend, pool.rank = backend, backend.rank()  # the backend outlives its pool's id
+    pool.base = pool.memory.tensor(pool.rank, 0, 1, torch.uint8).data_ptr()
     pool.staging = (slot_bytes, num_slots)
     _cuda_pools[key] = pool
     _debug(f"cuda: a {capacity}-byte symmetric pool for unsharded storages and staging")
@@ -266,14 +281,18 @@ def _free_unsharded_param(self):
     them out there again before the compute that read them on the current stream is done."""
     block = getattr(self, "_tide_pool_block", None)
     if block is not None:
-        # Back to the pool, in stream order: the next user waits for this event.
         pool, offset, nbytes = block
-        storage = self.all_gather_outputs[0]
-        event = torch.cuda.current_stream(storage.device).record_event()
-        _C.point_storage(storage, pool.memory, pool.rank, 0, 0)
-        pool.release(offset, nbytes, event)
         self._tide_pool_block = None
-        return
+        storage = self.all_gather_outputs[0] if self.all_gather_outputs else None
+        if storage is not None and storage.data_ptr() == pool.base + offset:
+            # Back to the pool, in stream order: the next user waits for this event.
+            event = torch.cuda.current_stream(storage.device).record_event()
+            _C.point_storage(storage, pool.memory, pool.rank, 0, 0)
+            pool.release(offset, nbytes, event)
+            return
+        # The storage moved on without us (the seams were uninstalled meanwhile, or FSDP2
+        # recreated it): the block is free once the current stream is past this point.
+        pool.release(offset, nbytes, torch.cuda.current_stream().record_event())
     region = getattr(self, "_tide_storage_region", None)
     if region is None or not self.all_gather_outputs:
         if getattr(self, "_tide_ag_stream_storage", False):
@@ -472,11 +491,13 @@ def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offset
                 reduce_scatter_stream.wait_event(event)
             reuse, regions = pool.memory, [(offset, slot_bytes * num_slots + 4096)]
         reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
-        backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op, reuse,
-                                     regions)
-        if block is not None:  # free again once this stream is past the reduce-scatter
-            pool.release(block[0], slot_bytes * num_slots + 4096,
-                         reduce_scatter_stream.record_event())
+        try:
+            backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
+                                         reuse, regions)
+        finally:
+            if block is not None:  # free again once this stream is past the reduce-scatter
+                pool.release(block[0], slot_bytes * num_slots + 4096,
+                             reduce_scatter_stream.record_event())
         # The group's copy stream reads the gradients in place: they go back to the
         # allocator only after this stream's work so far (which waits for those reads).
         for g in grads:

@@ -63,7 +63,7 @@ def test_freeing_everything_coalesces_into_one_block():
 
 
 def test_the_next_user_waits_for_pending_events_only():
-    pool = SymmetricPool(None, 4096)
+    pool = SymmetricPool(None, 2048)  # full after a and b: reuse must wait for events
     a = pool.alloc(1024)[0]
     b = pool.alloc(1024)[0]
     pending, done = FakeEvent(False), FakeEvent(True)
@@ -74,3 +74,19 @@ def test_the_next_user_waits_for_pending_events_only():
     pending.done = True
     pool.release(0, 2048, FakeEvent(False))
     assert len(pool.alloc(512)[1]) == 1
+
+
+def test_a_freed_block_rests_before_it_is_handed_out_again():
+    """FSDP2 frees layer i's storage right before prefetching layer i+1's: the pool must not
+    hand the same block back (that all-gather would wait for layer i's compute) while other
+    memory fits, and must when nothing else does."""
+    pool = SymmetricPool(None, 3 * 1024)
+    a = pool.alloc(1024)[0]
+    pool.release(a, 1024, FakeEvent(False))
+    b = pool.alloc(1024)[0]
+    assert b != a
+    pool.release(b, 1024, FakeEvent(False))
+    c = pool.alloc(1024)[0]
+    assert c not in (a, b)
+    d, events = pool.alloc(1024)  # full otherwise: the oldest freed block, with its event
+    assert d == a and len(events) == 1
