@@ -108,6 +108,8 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  // How param_all_gather moves shards ("direct", "doubling"; CommOptions::allgather_algorithm).
+  virtual const char* param_all_gather_algorithm() const { return "direct"; }
 
   // outs[r] receives rank r's `count` elements of `in`. outs.size() == world_size.
   virtual void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) = 0;

@@ -14,13 +14,15 @@ backend is tide and hand everything else to the originals unchanged:
   views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
   bounded and independent of the world size. With ``TIDE_SLOT_REUSE=1`` the staging goes
   into the layer's vacated all-gather storage (Slot-Reuse; on CUDA the storages then come
-  from a symmetric pool, python/tide/_pool.py).
+  from a symmetric pool, python/tide/_pool.py, and the staging from pool memory the
+  all-gathers vacated).
 
 On CUDA tensors (a tide build with CUDA) the same two paths run on the GPUs of the node
 (src/torch/cuda, src/transport/cuda): the shards live in CUDA symmetric memory, copy
 engines move them into the unsharded storages, and the reduce-scatter stages slices with
 copy engines and accumulates them with a few short-lived CTAs. Everything is ordered on
-FSDP2's own streams with events, as its stock path is; nothing waits on the host.
+FSDP2's own streams with events, as its stock path is; the host never waits for the GPU
+(the ranks' CPUs meet once per collective for the argument check, TIDE_CUDA_CHECK_ARGS).
 
 ``TIDE_FSDP=0`` switches the replacement off.
 """
@@ -130,10 +132,10 @@ class _GroupState:
     home_ptrs: list  # where each parameter's sharded storage lives in `shards`
     dtype: torch.dtype
     world_size: int
-    # The unsharded storages (FSDPParam.all_gather_outputs) in symmetric memory too, so
-    # that once vacated they can hold reduce-scatter staging (Slot-Reuse); None when
-    # FSDP2 had already allocated them before the group's first tide all-gather.
     capacity: int = 0  # bytes of this rank's part of `shards`
+    # Host Slot-Reuse: the unsharded storages (FSDPParam.all_gather_outputs) in symmetric
+    # memory too, so that once vacated they can hold reduce-scatter staging; None when
+    # FSDP2 had already allocated them before the group's first tide all-gather.
     storage: object = None
     storage_regions: list = None  # (offset, bytes) per parameter, page-aligned
     # CUDA with Slot-Reuse: the pool (shared by the groups of one process group and device)
@@ -230,6 +232,19 @@ def release_cuda_pools() -> None:
 atexit.register(release_cuda_pools)
 
 
+def _env_bytes(name: str) -> int:
+    """A byte count from the environment, with K/M/G suffixes as the C++ side reads them."""
+    value = os.environ.get(name, "").strip().upper()
+    if not value:
+        return 0
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1], 1)
+    try:
+        return int(value[:-1] if scale > 1 else value) * scale
+    except ValueError:
+        raise ValueError(f"tide: {name}={os.environ[name]!r} is not a byte count "
+                         "(e.g. 512M)") from None
+
+
 def _cuda_pool(backend, device, state):
     """The symmetric pool for this backend and device, created (collectively) by the first
     group that asks: TIDE_CUDA_POOL_BYTES, or twice that group's unsharded storages plus the
@@ -245,8 +260,7 @@ def _cuda_pool(backend, device, state):
     slot_bytes, num_slots = backend.cuda_staging_geometry(_device_index(device))
     storages = sum(lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
                    for fp, lp in zip(_params(state), state.layout.params))
-    capacity = int(os.environ.get("TIDE_CUDA_POOL_BYTES", "0") or 0) or (
-        2 * storages + slot_bytes * num_slots + 4096)
+    capacity = _env_bytes("TIDE_CUDA_POOL_BYTES") or (2 * storages + slot_bytes * num_slots + 4096)
     capacity = (capacity + (2 << 20) - 1) // (2 << 20) * (2 << 20)
     pool = SymmetricPool(backend.allocate_symmetric(capacity, _device_index(device)), capacity)
     pool.backend, pool.rank = backend, backend.rank()  # the backend outlives its pool's id

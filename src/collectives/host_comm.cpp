@@ -1,6 +1,7 @@
 // The communicator: checks arguments (locally, then across ranks through one small control
 // exchange per call), then runs the algorithm over its transport. Any error breaks it and
 // raises the transport's abort flag, so peers fail fast instead of waiting out the timeout.
+#include <algorithm>
 #include <bit>
 #include <cstdlib>
 #include <cstring>
@@ -115,11 +116,13 @@ bool same(const Desc& a, const Desc& b) {
 class HostComm final : public Comm {
  public:
   HostComm(std::unique_ptr<Transport> t, bool doubling, size_t pace)
-      : t_(std::move(t)), ctx_(*t_), rank_(t_->rank()), ws_(t_->world_size()), doubling_(doubling), pace_(pace) {
+      : t_(std::move(t)), ctx_(*t_), rank_(t_->rank()), ws_(t_->world_size()), doubling_(doubling),
+        pace_(pace ? std::min(pace, t_->slot_bytes()) : t_->slot_bytes()) {  // same value, same hash
     record_ = sizeof(Desc) + 16 * static_cast<size_t>(ws_);
   }
 
   int rank() const override { return rank_; }
+  const char* param_all_gather_algorithm() const override { return doubling_ ? "doubling" : "direct"; }
   int world_size() const override { return ws_; }
 
   void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) override {

@@ -50,10 +50,15 @@ FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_si
     throw Error(detail::concat("tide: fd channel: rank ", rank, ": bind '", mine, "' failed: ", std::strerror(err)));
   }
   const std::string key = "tide-fd/" + ns + "/";
-  store.set(key + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-  for (int r = 0; r < world_size; ++r) {
-    std::vector<uint8_t> v = store.get(key + std::to_string(r), timeout);
-    addresses_[r].assign(v.begin(), v.end());
+  try {
+    store.set(key + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+    for (int r = 0; r < world_size; ++r) {
+      std::vector<uint8_t> v = store.get(key + std::to_string(r), timeout);
+      addresses_[r].assign(v.begin(), v.end());
+    }
+  } catch (...) {
+    ::close(sock_);  // no destructor for a constructor that throws
+    throw;
   }
 }
 

@@ -801,6 +801,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
                 ": Slot-Reuse memory is not on the output's device");
   } else {
     check_tensor(out, ctx, "output");
+    TORCH_CHECK(!reuse || reuse->device() < 0, "tide param_reduce_scatter: rank ", getRank(),
+                ": CPU tensors with Slot-Reuse memory on cuda:", reuse ? reuse->device() : -1);
   }
   TORCH_CHECK(out.is_contiguous(), "tide param_reduce_scatter: rank ", getRank(),
               ": the output must be contiguous");

@@ -118,6 +118,7 @@ class ProcessGroupTide : public c10d::Backend {
                                                       std::shared_ptr<tide::SymmetricBuffer> reuse,
                                                       std::vector<std::pair<int64_t, int64_t>> reuse_regions);
   tide::StagingReport last_staging_report() const { return last_staging_; }
+  std::string host_allgather_algorithm() const { return comm_->param_all_gather_algorithm(); }
   // The CUDA all-gather path of this node for `device` and why ("nccl": the GPUs cannot map
   // each other's memory, so FSDP2 keeps its stock path). Collective at the first CUDA call.
   std::pair<std::string, std::string> cuda_path_choice(int device);

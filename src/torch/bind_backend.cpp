@@ -139,6 +139,8 @@ void bind_backend(pybind11::module_& m) {
            py::arg("reuse") = nullptr, py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            py::call_guard<py::gil_scoped_release>())
       .def("last_staging_report", &ProcessGroupTide::last_staging_report)
+      .def("host_allgather_algorithm", &ProcessGroupTide::host_allgather_algorithm,
+           "How TIDE-AG moves shards on the host: 'direct' or 'doubling' (TIDE_HOST_ALLGATHER).")
       .def("cuda_staging_geometry", &ProcessGroupTide::cuda_staging_geometry, py::arg("device"),
            py::call_guard<py::gil_scoped_release>(),
            "(slot_bytes, num_slots) of TIDE-RS's staging on cuda:device (collective at the first CUDA call).")

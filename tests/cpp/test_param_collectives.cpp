@@ -30,14 +30,16 @@ class ParamCollectives : public ::testing::TestWithParam<int> {
 
 // Three rounds of random groups into f32 / bf16 / f16 storages, every element checked
 // against the reference sharding, padding bytes untouched.
-void all_gather_cases(Rank& rk, Comm& c) {
+// plan_elem: the element size the planner is told (0: the storage's); smaller than the
+// storage's, the doubling rounds must hold fewer elements than the pace suggests.
+void all_gather_cases(Rank& rk, Comm& c, int64_t plan_elem = 0) {
   Comm* comm = &c;
+  const int ws = rk.world_size, me = rk.rank;
   {
-    const int ws = rk.world_size, me = rk.rank;
     for (int round = 0; round < 3; ++round)
       for (DType st : {DType::f32, DType::bf16, DType::f16}) {
         const uint64_t tag = mix(rk.seed, round * 16 + static_cast<int>(st));
-        auto params = random_params(tag, ws, dtype_size(st), round == 0);
+        auto params = random_params(tag, ws, plan_elem ? plan_elem : dtype_size(st), round == 0);
         auto layout = plan::plan_group(params, ws);
         const size_t np = params.size();
         // Full tensors (f32), my shards (FSDP2's chunking) in symmetric memory.
@@ -103,7 +105,13 @@ CommOptions doubling(size_t pace = 96) {
 }
 
 TEST_P(ParamCollectives, AllGatherByRecursiveDoubling) {
-  run([](Rank& rk) { all_gather_cases(rk, *rk.comm(doubling())); });
+  run([](Rank& rk) {
+    auto comm = rk.comm(doubling());
+    all_gather_cases(rk, *comm);
+    // Storages wider than planned, with a pace of a whole slot: only rounds cut by the
+    // storage's element size fit the slot.
+    all_gather_cases(rk, *rk.comm(doubling(8 << 10), "-wide"), /*plan_elem=*/1);
+  });
 }
 
 TEST(ParamDoubling, NonPowerOfTwoWorldSizesAndRanksDisagreeing) {
@@ -118,7 +126,9 @@ TEST(ParamDoubling, NonPowerOfTwoWorldSizesAndRanksDisagreeing) {
     try {
       all_gather_cases(rk, *comm);
     } catch (const Error& e) {
-      rk.report(e.what());
+      const std::string what = e.what();
+      TIDE_REQUIRE(what.find("param_all_gather") != std::string::npos && !dynamic_cast<const TimeoutError*>(&e),
+                   "not the mismatch error: ", what);
       return;
     }
     TIDE_REQUIRE(false, "no error");

@@ -9,9 +9,10 @@
 #   4. build benchmarks/gpu/bench_cuda.cu with nvcc and run it: JSON with docs/model.md's
 #      --calibrate keys in benchmarks/results/cuda_<gpu>.json (and $OUT when set)
 #   5. build tide._C (with its CUDA path) against the machine's torch and run the CUDA
-#      pytest: standard ops through the NCCL delegate, TIDE-AG / TIDE-RS called directly
-#      (ws 1 2 4, against CPU references), mismatched calls and a dead peer, and FSDP2 on
-#      CUDA against stock FSDP2 on gloo
+#      pytest: standard ops through the NCCL delegate; TIDE-AG / TIDE-RS called directly
+#      (ws 1 2 4 8, bitwise against CPU references, bf16 storages, side streams), the
+#      profiler seeing no kernel on TIDE-AG, mismatched calls, a dead and a hung peer; FSDP2
+#      on CUDA against stock FSDP2 on gloo (fp32, Shard(1), bf16, Slot-Reuse), no copies
 # Usage: tests/gpu/run.sh [build dir, default build-gpu]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -70,7 +71,7 @@ echo "== 5. torch: tide._C and the CUDA pytest" >&2
 if python3 -c "import torch, pybind11" 2>/dev/null; then
   run cmake -S . -B "$build" -DTIDE_BUILD_TORCH=ON -DPython3_EXECUTABLE="$(command -v python3)"
   run cmake --build "$build" -j"$jobs" --target tide_C || status=$?
-  PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 400 python3 -m pytest -q -rs \
+  PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 420 python3 -m pytest -q -rs \
     tests/python/test_cuda_backend.py tests/python/test_fsdp_cuda.py || status=$?
 else
   echo "(python3 has no torch/pybind11: skipped)" >&2

@@ -106,8 +106,10 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     stale = [n for n in params if not torch.equal(early[n], params[n])]
     staging = dist.group.WORLD._get_backend(torch.device("cpu"))
     report = staging.last_staging_report() if zero_copy and hasattr(staging, "last_staging_report") else None
+    algorithm = staging.host_allgather_algorithm() if zero_copy and hasattr(
+        staging, "host_allgather_algorithm") else None
     return dict(losses=losses, params=params, names=names, stats=dict(tide.fsdp.stats),
-                stale_state_dict=stale,
+                stale_state_dict=stale, algorithm=algorithm,
                 staging=(report.slot_bytes * report.num_slots, report.reused_slots) if report else None)
 
 
@@ -224,6 +226,7 @@ def test_recursive_doubling_all_gather_in_fsdp2_matches_stock(monkeypatch):
     monkeypatch.delenv("TIDE_HOST_ALLGATHER")
     stock = run_ranks(train_worker, 3, False, True)
     assert_zero_copy_ran(zc[0])
+    assert zc[0]["algorithm"] == "doubling", zc[0]["algorithm"]  # equal bits prove nothing else
     assert_params_equal(zc[0]["params"], stock[0]["params"], "recursive doubling vs stock")
     assert zc[0]["losses"] == stock[0]["losses"]
 

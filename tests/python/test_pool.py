@@ -68,7 +68,7 @@ def test_the_next_user_waits_for_pending_events_only():
     b = pool.alloc(1024)[0]
     pending, done = FakeEvent(False), FakeEvent(True)
     pool.release(a, 1024, pending)
-    pool.release(b, 1024, done)  # coalesces with a: completed events are dropped
+    pool.release(b, 1024, done)  # both rest; the next alloc merges them, dropping done events
     off, events = pool.alloc(2048)
     assert off == 0 and events == [pending]
     pending.done = True

@@ -15,13 +15,14 @@
 //   device mode (default): post = cuStreamWriteValue32 (with its memory barrier), wait =
 //     cuStreamWaitValue32 GEQ: no host sync on the hot path; only the final event is
 //     waited for, by the host (blocking) or by the torch adapter's watchdog.
-//   host mode (TIDE_CUDA_SYNC=host, or automatically when stream memory operations fail):
+//   host mode (TIDE_CUDA_SYNC=host, or automatically when stream memory operations fail or
+//     the control block cannot be registered for streams):
 //     post = synchronize the stream then store; wait = poll the inbox from the host with the
 //     deadline. Slower, but every wait has a timeout.
 // Both modes use the same words, so ranks in different modes interoperate.
 //
-// Failures: an expired deadline throws tide::TimeoutError naming the collective, the rank and
-// every rank's counters; the group is then unusable (every later call throws). abort() (a
+// Failures: an expired deadline (or, in host mode, a peer's abort) throws tide::TimeoutError
+// naming the collective, the rank and every rank's counters; the group is then unusable (every later call throws). abort() (a
 // watchdog's) also marks this rank's poison word, which every peer checks (peers_failed()),
 // so a failure on one rank becomes an error on every rank rather than wrong data. Device
 // memory of a broken group is leaked at destruction (a stream may still use it).
@@ -75,8 +76,6 @@ class CudaGroup {
   const CudaGroupOptions& options() const { return opt_; }
   const Capabilities& caps() const { return caps_; }
   const PathChoice& allgather_path() const { return ag_path_; }
-  // "vmm" (cuMemCreate, fds over a Unix socket) or "ipc" (cudaMalloc + cudaIpc handles).
-  const char* symmetric_kind() const { return vmm_ ? "vmm" : "ipc"; }
 
   // Collective: every rank passes the size of its own part.
   std::shared_ptr<CudaSymmetricBuffer> allocate_symmetric(size_t bytes);
@@ -122,8 +121,6 @@ class CudaGroup {
   std::string broken_why() const;
   // The first peer that aborted, or -1 (plain loads of the poison words: never blocks).
   int peer_failed() const;
-  // Shared with buffers handed out: true once the group broke (they leak rather than free).
-  std::shared_ptr<std::atomic<bool>> broken_flag() const { return broken_shared_; }
 
  private:
   void host_wait_stream(cudaStream_t s, const char* what);

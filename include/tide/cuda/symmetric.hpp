@@ -56,12 +56,10 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::byte* local() override { return ptrs_[rank_]; }
   std::byte* peer(int rank) override;
   size_t bytes(int rank) const override;
-  // cudaMalloc'd memory cannot be decommitted piecewise: the range is zero-filled
-  // (synchronously) and stays resident. (A cuMemCreate-based buffer could unmap and remap.)
+  // Device memory is not decommitted piecewise (either mechanism): the range is zero-filled
+  // (synchronously) and stays resident.
   void release(size_t offset, size_t bytes) override;
   int device() const override { return device_; }
-  // Skip the teardown barrier and leak (after an abort: a peer may never arrive).
-  void leak_on_destroy() { leak_ = true; }
   // Leak at destruction if `*flag` is set by then (the owning group broke: a stream may
   // still use this memory, and waiting for it could hang).
   void leak_if(std::shared_ptr<std::atomic<bool>> flag) { leak_if_ = std::move(flag); }
@@ -78,9 +76,8 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::vector<std::byte*> ptrs_;
   std::vector<size_t> sizes_;
   void* own_ = nullptr;
-  bool leak_ = false;
   std::shared_ptr<std::atomic<bool>> leak_if_;
-  bool leaking() const { return leak_ || (leak_if_ && leak_if_->load()); }
+  bool leaking() const { return leak_if_ && leak_if_->load(); }
   // vmm only: per rank, the imported (or own) allocation handle and the mapped size.
   bool vmm_ = false, device_sync_ = true;
   std::vector<CUmemGenericAllocationHandle> handles_;

@@ -4,8 +4,8 @@
 // here, they go to torch's NCCL backend.
 //
 // Streams follow ProcessGroupNCCL's conventions: a collective is ordered after the work
-// already enqueued on the caller's current stream, and that stream waits for it, so there is
-// no host synchronisation on the hot path. Work.wait() makes the then-current stream wait for
+// already enqueued on the caller's current stream, and that stream waits for it, so the host
+// never waits for the GPU on the hot path. Work.wait() makes the then-current stream wait for
 // the collective's completion event (a no-op on the issuing stream), and raises once the group
 // has failed.
 //
@@ -13,6 +13,9 @@
 // (collective, sequence number, planner layout, dtypes, element counts) through the host
 // communicator, so a mismatch raises on every rank, naming both calls, instead of leaving
 // streams waiting on each other; a peer that never makes the call raises TimeoutError there.
+// That is one meeting of the ranks' CPUs per collective (not of the GPUs), like torch's
+// TORCH_DISTRIBUTED_DEBUG=DETAIL collective checks; TIDE_CUDA_CHECK_ARGS=0 skips it (the
+// watchdog still turns a mismatch into an error, after the timeout).
 //
 // Watchdog: a thread polls each collective's completion event. One not complete within the
 // group's timeout (a peer died or hung after the check) aborts the group: this rank's streams
@@ -22,7 +25,6 @@
 // collective that fails while being enqueued aborts the group the same way.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>

@@ -70,8 +70,6 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   const std::string want = symmetric_from_env();
   const DeviceCaps& dc = caps_.devices[device_];
   const bool vmm_here = dc.vmm && dc.posix_fd_handles;
-  TIDE_CHECK(want != "vmm" || vmm_here, "tide: cuda: rank ", rank_, ": TIDE_CUDA_SYMMETRIC=vmm but device ", device_,
-             " lacks virtual memory management with POSIX fd handles");
   opt_.staging_bytes = opt_.staging_bytes ? opt_.staging_bytes : env::get_bytes("TIDE_CUDA_STAGING_BYTES", 32u << 20);
   rs_ctas_ = opt_.rs_ctas > 0 ? opt_.rs_ctas : static_cast<int>(env::get_int("TIDE_RS_CTAS", 8));
   TIDE_CHECK(rs_ctas_ >= 1 && rs_ctas_ <= 1024, "tide: TIDE_RS_CTAS=", rs_ctas_, " out of [1, 1024]");
@@ -109,6 +107,9 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
     vmm_everywhere = vmm_everywhere && rec.vmm;
   }
   ag_path_ = choose_allgather_path(caps_, devices);
+  // After publishing: every rank reaches this verdict, none waits for a rank that threw.
+  TIDE_CHECK(want != "vmm" || vmm_everywhere, "tide: cuda: rank ", rank_,
+             ": TIDE_CUDA_SYMMETRIC=vmm but a device lacks virtual memory management with POSIX fd handles");
   // The same decision on every rank: it depends only on what all ranks published.
   vmm_ = want != "ipc" && vmm_everywhere;
   fds_ = std::make_unique<FdChannel>(*store_, ns_ + "/cuda", rank_, ws_, opt_.timeout);
@@ -192,10 +193,7 @@ CudaGroup::~CudaGroup() {
   if (!broken_) {
     for (cudaStream_t st : {copy_, compute_})
       if (st && cudaStreamSynchronize(st) != cudaSuccess) (void)cudaGetLastError();
-  } else {
-    for (auto* b : {scratch_.get(), staging_.get()})
-      if (b) b->leak_on_destroy();
-  }
+  }  // broken: every buffer handed out leaks (leak_if), a stream may still use it
   // The same order on every rank (the ipc buffers' destructors end with a store barrier).
   scratch_.reset();
   staging_.reset();

@@ -120,8 +120,6 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
 struct VmmRecord {
   uint64_t bytes;    // the part's size as asked
   uint64_t mapped;   // rounded up to the allocation granularity
-  int32_t device;
-  int32_t pid;
 };
 
 void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
@@ -163,7 +161,7 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   sizes_[rank_] = bytes;
   zero_fill(ptrs_[rank_], size);
 
-  VmmRecord mine{bytes, size, device_, static_cast<int32_t>(::getpid())};
+  VmmRecord mine{bytes, size};
   store_->set(key_ + "/vmm/" + std::to_string(rank_), as_bytes(&mine, sizeof mine));
   const uint64_t tag = std::hash<std::string>{}(key_);
   if (world_size_ > 1) {
