@@ -7,7 +7,10 @@
 // Each rank binds a socket in the abstract namespace (nothing on the file system; it goes
 // with the process), named after the group, the rank and the pid, and publishes the name
 // through the store. Every message carries a tag and the sender's rank, so a fast rank's
-// next exchange is kept aside, never mistaken for the current one. Sends and receives give
+// next exchange is kept aside, never mistaken for the current one. The kernel's
+// credentials on each message (SO_PASSCRED) must name this process's user: another user's
+// process cannot inject a descriptor (the same user's processes are trusted, as with the
+// store itself). Sends and receives give
 // up with tide::TimeoutError naming the rank, the peer and the tag.
 #pragma once
 #include <chrono>

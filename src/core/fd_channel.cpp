@@ -41,6 +41,13 @@ FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_si
              " of world size ", world_size);
   sock_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   TIDE_CHECK(sock_ >= 0, "tide: fd channel: rank ", rank, ": socket failed: ", std::strerror(errno));
+  // The kernel attaches each sender's credentials: only this user's processes are heard.
+  const int on = 1;
+  if (::setsockopt(sock_, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0) {
+    const int err = errno;
+    ::close(sock_);
+    throw Error(detail::concat("tide: fd channel: rank ", rank, ": SO_PASSCRED failed: ", std::strerror(err)));
+  }
   const std::string mine = detail::concat("tide-fd/", ns, "/", rank, "/", ::getpid());
   socklen_t len = 0;
   sockaddr_un addr = make_address(mine, &len);
@@ -129,7 +136,7 @@ int FdChannel::receive(int peer, uint64_t tag) {
 bool FdChannel::take_one() {
   Header h{};
   iovec iov{&h, sizeof h};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(ucred))] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -140,12 +147,24 @@ bool FdChannel::take_one() {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return false;
     throw Error(detail::concat("tide: fd channel: rank ", rank_, ": recvmsg failed: ", std::strerror(errno)));
   }
-  cmsghdr* c = CMSG_FIRSTHDR(&msg);
   int fd = -1;
-  if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+  bool same_user = false;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET) continue;
+    if (c->cmsg_type == SCM_RIGHTS && fd < 0) std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+    if (c->cmsg_type == SCM_CREDENTIALS) {
+      ucred cred{};
+      std::memcpy(&cred, CMSG_DATA(c), sizeof cred);
+      same_user = cred.uid == ::getuid();
+    }
+  }
   if (n != static_cast<ssize_t>(sizeof h) || fd < 0 || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC))) {
     if (fd >= 0) ::close(fd);
     throw Error(detail::concat("tide: fd channel: rank ", rank_, ": a malformed message (", n, " bytes)"));
+  }
+  if (!same_user) {  // not one of ours: drop it, keep listening
+    ::close(fd);
+    return true;
   }
   if (auto [it, fresh] = early_.emplace(std::make_pair(h.tag, static_cast<int>(h.sender)), fd); !fresh)
     ::close(fd);  // a duplicate (tag, sender): keep the first
