@@ -71,6 +71,9 @@ struct GroupLayout {
 // FSDP2's sharding of `params` over `world_size` ranks. Throws tide::Error for what FSDP2
 // rejects (uneven Shard(d > 0), 0-dim parameters, shard_dim out of range) and bad sizes.
 GroupLayout plan_group(const std::vector<Param>& params, int world_size);
+// A hash of what fixes the layout (world size, shapes, element sizes, shard dims, padded
+// and storage sizes): equal on ranks that planned the same group (tide/hash.hpp's FNV-1a).
+uint64_t layout_hash(const GroupLayout& layout);
 
 // ---- Addressing (addressing.cpp) ---------------------------------------------------------
 

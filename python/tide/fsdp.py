@@ -232,19 +232,6 @@ def release_cuda_pools() -> None:
 atexit.register(release_cuda_pools)
 
 
-def _env_bytes(name: str) -> int:
-    """A byte count from the environment, with K/M/G suffixes as the C++ side reads them."""
-    value = os.environ.get(name, "").strip().upper()
-    if not value:
-        return 0
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(value[-1], 1)
-    try:
-        return int(value[:-1] if scale > 1 else value) * scale
-    except ValueError:
-        raise ValueError(f"tide: {name}={os.environ[name]!r} is not a byte count "
-                         "(e.g. 512M)") from None
-
-
 def _cuda_pool(backend, device, state):
     """The symmetric pool for this backend and device, created (collectively) by the first
     group that asks: TIDE_CUDA_POOL_BYTES, or twice that group's unsharded storages plus the
@@ -260,7 +247,8 @@ def _cuda_pool(backend, device, state):
     slot_bytes, num_slots = backend.cuda_staging_geometry(_device_index(device))
     storages = sum(lp.storage_numel * (fp.param_dtype or fp.orig_dtype).itemsize
                    for fp, lp in zip(_params(state), state.layout.params))
-    capacity = _env_bytes("TIDE_CUDA_POOL_BYTES") or (2 * storages + slot_bytes * num_slots + 4096)
+    capacity = _C.env_bytes("TIDE_CUDA_POOL_BYTES", 0) or (
+        2 * storages + slot_bytes * num_slots + 4096)
     capacity = (capacity + (2 << 20) - 1) // (2 << 20) * (2 << 20)
     pool = SymmetricPool(backend.allocate_symmetric(capacity, _device_index(device)), capacity)
     pool.backend, pool.rank = backend, backend.rank()  # the backend outlives its pool's id

@@ -12,6 +12,7 @@
 #include "../core/env.hpp"
 #include "algorithms.hpp"
 #include "tide/error.hpp"
+#include "tide/hash.hpp"
 #include "tide/host_transport.hpp"
 #include "tide/reduce_kernels.hpp"
 
@@ -54,25 +55,6 @@ struct Desc {
 };
 
 static_assert(sizeof(Desc) <= 64, "the control record holds 64 + 16 * world_size bytes");
-
-uint64_t fnv(uint64_t h, uint64_t v) {
-  for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
-  return h;
-}
-constexpr uint64_t kFnvBasis = 1469598103934665603ull;
-
-uint64_t layout_hash(const plan::GroupLayout& l) {
-  uint64_t h = fnv(kFnvBasis, static_cast<uint64_t>(l.world_size));
-  for (const plan::ParamLayout& p : l.params) {
-    h = fnv(h, p.shape.size());
-    for (int64_t d : p.shape) h = fnv(h, static_cast<uint64_t>(d));
-    h = fnv(h, static_cast<uint64_t>(p.elem_size));
-    h = fnv(h, static_cast<uint64_t>(p.shard_dim));
-    h = fnv(h, static_cast<uint64_t>(p.padded_shard_numel));
-    h = fnv(h, static_cast<uint64_t>(p.storage_numel));
-  }
-  return h;
-}
 
 std::string describe(const Desc& d, std::span<const uint64_t> a2a = {}) {
   std::ostringstream os;
@@ -419,7 +401,7 @@ class HostComm final : public Comm {
     d.root = static_cast<int32_t>(l->params.size());
     d.layout_ws = l->world_size;
     for (const plan::ParamLayout& p : l->params) d.count += static_cast<uint64_t>(p.padded_shard_numel);
-    d.hash = layout_hash(*l);
+    d.hash = plan::layout_hash(*l);
     return d;
   }
   // Local: the layout exists and is for this communicator (a layout that disagrees across

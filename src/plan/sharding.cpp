@@ -8,6 +8,7 @@
 #include <string>
 
 #include "tide/error.hpp"
+#include "tide/hash.hpp"
 #include "tide/plan.hpp"
 
 namespace tide::plan {
@@ -93,6 +94,19 @@ GroupLayout plan_group(const std::vector<Param>& params, int world_size) {
     layout.params.push_back(std::move(p));
   }
   return layout;
+}
+
+uint64_t layout_hash(const GroupLayout& layout) {
+  uint64_t h = fnv(kFnvBasis, static_cast<uint64_t>(layout.world_size));
+  for (const ParamLayout& p : layout.params) {
+    h = fnv(h, p.shape.size());
+    for (int64_t d : p.shape) h = fnv(h, static_cast<uint64_t>(d));
+    h = fnv(h, static_cast<uint64_t>(p.elem_size));
+    h = fnv(h, static_cast<uint64_t>(p.shard_dim));
+    h = fnv(h, static_cast<uint64_t>(p.padded_shard_numel));
+    h = fnv(h, static_cast<uint64_t>(p.storage_numel));
+  }
+  return h;
 }
 
 }  // namespace tide::plan

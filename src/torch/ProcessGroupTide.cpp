@@ -73,6 +73,14 @@ void check_cuda_tensor(const at::Tensor& t, int device, const OpContext& ctx, co
               " must be a dense contiguous tensor");
 }
 
+// A tensor of the FSDP2 path: on the host (device -1) or on cuda:device.
+void check_param_tensor(const at::Tensor& t, int device, const OpContext& ctx, const char* what) {
+  if (device >= 0)
+    check_cuda_tensor(t, device, ctx, what);
+  else
+    check_tensor(t, ctx, what);
+}
+
 // An input: checked and made contiguous (a copy only when the caller's was not).
 at::Tensor input(const at::Tensor& t, const OpContext& ctx, const char* what = "input") {
   check_tensor(t, ctx, what);
@@ -745,10 +753,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
   const int device = shards->device();
   auto storage_dtype = storages.empty() ? DType::f32 : to_dtype(storages[0].scalar_type(), ctx);
   for (size_t p = 0; p < n; ++p) {
-    if (device >= 0)
-      check_cuda_tensor(storages[p], device, ctx, "storage");
-    else
-      check_tensor(storages[p], ctx, "storage");
+    check_param_tensor(storages[p], device, ctx, "storage");
     TORCH_CHECK(storages[p].is_contiguous() && storages[p].numel() == layout.params[p].storage_numel &&
                     to_dtype(storages[p].scalar_type(), ctx) == storage_dtype,
                 "tide param_all_gather: rank ", getRank(), ": storage of parameter ", p, " has ",
@@ -808,10 +813,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
               ": the output must be contiguous");
   auto grad_dtype = n ? to_dtype(grads[0].scalar_type(), ctx) : DType::f32;
   for (size_t p = 0; p < n; ++p) {
-    if (device >= 0)
-      check_cuda_tensor(grads[p], device, ctx, "gradient");
-    else
-      check_tensor(grads[p], ctx, "gradient");
+    check_param_tensor(grads[p], device, ctx, "gradient");
     TORCH_CHECK(grads[p].is_contiguous() && grads[p].numel() == layout.params[p].numel &&
                     to_dtype(grads[p].scalar_type(), ctx) == grad_dtype,
                 "tide param_reduce_scatter: rank ", getRank(), ": gradient of parameter ", p,

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "../core/env.hpp"
 #include "ProcessGroupTide.hpp"
 #ifdef TIDE_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -111,6 +112,8 @@ void bind_backend(pybind11::module_& m) {
 
   m.def("move_storage", &move_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
         py::arg("offset"));
+  m.def("env_bytes", &tide::env::get_bytes, py::arg("name"), py::arg("fallback"),
+        "A byte count from the environment (K/M/G suffixes), as the C++ side reads its own.");
   m.def("point_storage", &point_storage, py::arg("tensor"), py::arg("buffer"), py::arg("rank"),
         py::arg("offset"), py::arg("nbytes"));
 

@@ -82,6 +82,9 @@ class CudaGroup {
   void barrier();  // over the store
 
   // ---- used by the collectives ------------------------------------------------------
+  // `layout`, checked for a collective of this group: present, planned for this world size,
+  // and the group's GPUs can map each other's memory (else tide::Error naming `collective`).
+  const plan::GroupLayout& checked_layout(const plan::GroupLayout* layout, const char* collective) const;
   cudaStream_t copy_stream() const { return copy_; }
   cudaStream_t compute_stream() const { return compute_; }
   int rs_ctas() const { return rs_ctas_; }

@@ -12,6 +12,7 @@
 #include "tide/cuda/group.hpp"
 #include "tide/cuda/probe.hpp"
 #include "tide/error.hpp"
+#include "tide/hash.hpp"
 
 namespace tide::torch_backend {
 namespace {
@@ -93,39 +94,12 @@ struct Fingerprint {
 };
 static_assert(sizeof(Fingerprint) == 64);
 
-uint64_t hash_layout(const tide::plan::GroupLayout& layout) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the numbers that place every byte
-  auto mix = [&h](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  };
-  mix(layout.world_size);
-  for (const auto& p : layout.params) {
-    mix(p.numel);
-    mix(p.storage_numel);
-    mix(p.padded_shard_numel);
-    for (const auto& s : p.shards) {
-      mix(s.numel);
-      mix(s.placement.offset);
-      mix(s.placement.run);
-      mix(s.placement.stride);
-      mix(s.placement.count);
-    }
-  }
-  return h;
-}
-
 // The other arguments peers rely on (shard offsets: peers read at this rank's offsets;
 // Slot-Reuse regions: peers read staging there).
 template <class Range>
 uint64_t hash_values(const Range& values) {
-  uint64_t h = 1469598103934665603ull;
-  for (const auto& v : values) {
-    h ^= static_cast<uint64_t>(v);
-    h *= 1099511628211ull;
-  }
+  uint64_t h = tide::kFnvBasis;
+  for (const auto& v : values) h = tide::fnv(h, static_cast<uint64_t>(v));
   return h;
 }
 
@@ -220,7 +194,7 @@ void CudaPath::check_across_ranks(const char* collective, const tide::plan::Grou
   Fingerprint mine{};
   std::strncpy(mine.collective, collective, sizeof mine.collective - 1);
   mine.seq = seq_++;
-  mine.layout_hash = hash_layout(layout) ^ (extra * 0x9e3779b97f4a7c15ull);
+  mine.layout_hash = tide::fnv(tide::plan::layout_hash(layout), extra);
   for (const auto& p : layout.params) mine.numel += static_cast<uint64_t>(p.numel);
   mine.params = static_cast<uint32_t>(layout.params.size());
   mine.world_size = layout.world_size;

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "../../core/env.hpp"
+#include "records.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/driver.hpp"
 
@@ -87,16 +88,12 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
     uint8_t device, vmm, want, pad;  // want: TIDE_CUDA_SYMMETRIC's first letter
   } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here),
          static_cast<uint8_t>(want[0]), 0};
-  const std::string dkey = ns_ + "/cuda/device/";
-  store_->set(dkey + std::to_string(rank_), std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&mine),
-                                                                 reinterpret_cast<uint8_t*>(&mine) + sizeof mine));
+  const std::string dkey = ns_ + "/cuda/device";
+  put_record(*store_, dkey, rank_, mine);
   std::vector<int> devices(ws_);
   bool vmm_everywhere = true;
   for (int r = 0; r < ws_; ++r) {
-    std::vector<uint8_t> v = store_->get(dkey + std::to_string(r), opt_.timeout);
-    TIDE_CHECK(v.size() == sizeof(Record), "tide: cuda: rank ", rank_, ": bad device record of rank ", r);
-    Record rec;
-    std::memcpy(&rec, v.data(), sizeof rec);
+    const auto rec = get_record<Record>(*store_, dkey, r, opt_.timeout, rank_);
     TIDE_CHECK(rec.staging_bytes == mine.staging_bytes && rec.num_slots == mine.num_slots, "tide: cuda: rank ", rank_,
                ": rank ", r, " stages ", rec.staging_bytes, " bytes in ", rec.num_slots, " slots, rank ", rank_, " ",
                mine.staging_bytes, " in ", mine.num_slots, " (TIDE_CUDA_STAGING_BYTES must be the same on every rank)");
@@ -219,6 +216,15 @@ std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes)
 
 void CudaGroup::barrier() {
   store_barrier(*store_, ns_ + "/cuda/barrier/" + std::to_string(barrier_seq_++), ws_, opt_.timeout, rank_);
+}
+
+const plan::GroupLayout& CudaGroup::checked_layout(const plan::GroupLayout* layout, const char* collective) const {
+  TIDE_CHECK(layout, "tide: cuda: ", collective, " on rank ", rank_, ": no layout");
+  TIDE_CHECK(ag_path_.path != AllGatherPath::nccl, "tide: cuda: ", collective, " on rank ", rank_,
+             ": the group's GPUs cannot map each other's memory (", ag_path_.reason, "); use NCCL");
+  TIDE_CHECK(layout->world_size == ws_, "tide: cuda: ", collective, " on rank ", rank_, ": layout for world size ",
+             layout->world_size, ", group has ", ws_);
+  return *layout;
 }
 
 std::byte* CudaGroup::slot(int rank, int index) {

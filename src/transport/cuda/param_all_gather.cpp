@@ -26,13 +26,8 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream, const CudaAllGatherOptions& opt) {
   const int me = g.rank(), ws = g.world_size();
-  TIDE_CHECK(a.layout, "tide: cuda: param_all_gather on rank ", me, ": no layout");
-  TIDE_CHECK(g.allgather_path().path != AllGatherPath::nccl, "tide: cuda: param_all_gather on rank ", me,
-             ": the group's GPUs cannot map each other's memory (", g.allgather_path().reason, "); use NCCL");
-  const plan::GroupLayout& layout = *a.layout;
+  const plan::GroupLayout& layout = g.checked_layout(a.layout, "param_all_gather");
   const size_t np = layout.params.size();
-  TIDE_CHECK(layout.world_size == ws, "tide: cuda: param_all_gather on rank ", me, ": layout for world size ",
-             layout.world_size, ", group has ", ws);
   TIDE_CHECK(a.storages.size() == np && a.shard_offsets.size() == np, "tide: cuda: param_all_gather on rank ", me,
              ": ", np, " params but ", a.storages.size(), " storages and ", a.shard_offsets.size(), " shard offsets");
   auto* shards = dynamic_cast<CudaSymmetricBuffer*>(a.shards);

@@ -25,13 +25,8 @@ namespace tide::cuda {
 
 StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cudaStream_t stream) {
   const int me = g.rank(), ws = g.world_size();
-  TIDE_CHECK(a.layout, "tide: cuda: param_reduce_scatter on rank ", me, ": no layout");
-  TIDE_CHECK(g.allgather_path().path != AllGatherPath::nccl, "tide: cuda: param_reduce_scatter on rank ", me,
-             ": the group's GPUs cannot map each other's memory (", g.allgather_path().reason, "); use NCCL");
-  const plan::GroupLayout& layout = *a.layout;
+  const plan::GroupLayout& layout = g.checked_layout(a.layout, "param_reduce_scatter");
   const size_t np = layout.params.size();
-  TIDE_CHECK(layout.world_size == ws, "tide: cuda: param_reduce_scatter on rank ", me, ": layout for world size ",
-             layout.world_size, ", group has ", ws);
   TIDE_CHECK(a.grads.size() == np && a.out_offsets.size() == np, "tide: cuda: param_reduce_scatter on rank ", me, ": ",
              np, " params but ", a.grads.size(), " grads and ", a.out_offsets.size(), " output offsets");
   TIDE_CHECK(a.out_dtype == DType::f32 &&

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "../../core/env.hpp"
+#include "records.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/driver.hpp"
 
@@ -27,17 +28,12 @@ void zero_fill(void* p, size_t n) {
   TIDE_CUDA_CHECK(done);
 }
 
-std::vector<uint8_t> as_bytes(const void* p, size_t n) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  return std::vector<uint8_t>(b, b + n);
-}
-
 // What a rank publishes for its part.
 struct PartRecord {
   cudaIpcMemHandle_t handle;
   uint64_t bytes;
-  int32_t pid;
-  int32_t device;
+  int32_t pid;  // two ranks in one process cannot open each other's handles
+  int32_t pad;
 };
 
 }  // namespace
@@ -92,15 +88,10 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   TIDE_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, p));
   mine.bytes = bytes;
   mine.pid = static_cast<int32_t>(::getpid());
-  mine.device = dev;
-  store->set(key + "/part/" + std::to_string(rank), as_bytes(&mine, sizeof mine));
+  put_record(*store, key + "/part", rank, mine);
   for (int r = 0; r < world_size; ++r) {
     if (r == rank) continue;
-    std::vector<uint8_t> v = store->get(key + "/part/" + std::to_string(r), timeout);
-    TIDE_CHECK(v.size() == sizeof(PartRecord), "tide: cuda: rank ", rank, ": bad symmetric record from rank ", r,
-               " under '", key, "' (", v.size(), " bytes)");
-    PartRecord rec;
-    std::memcpy(&rec, v.data(), sizeof rec);
+    const auto rec = get_record<PartRecord>(*store, key + "/part", r, timeout, rank);
     TIDE_CHECK(rec.pid != mine.pid, "tide: cuda: rank ", rank, " and rank ", r,
                " are the same process; CUDA IPC needs one rank per process");
     void* q = nullptr;
@@ -162,7 +153,7 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   zero_fill(ptrs_[rank_], size);
 
   VmmRecord mine{bytes, size};
-  store_->set(key_ + "/vmm/" + std::to_string(rank_), as_bytes(&mine, sizeof mine));
+  put_record(*store_, key_ + "/vmm", rank_, mine);
   const uint64_t tag = std::hash<std::string>{}(key_);
   if (world_size_ > 1) {
     int fd = -1;
@@ -178,11 +169,7 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   }
   for (int r = 0; r < world_size_; ++r) {
     if (r == rank_) continue;
-    std::vector<uint8_t> v = store_->get(key_ + "/vmm/" + std::to_string(r), timeout_);
-    TIDE_CHECK(v.size() == sizeof(VmmRecord), "tide: cuda: rank ", rank_, ": bad symmetric record from rank ", r,
-               " under '", key_, "' (", v.size(), " bytes)");
-    VmmRecord rec;
-    std::memcpy(&rec, v.data(), sizeof rec);
+    const auto rec = get_record<VmmRecord>(*store_, key_ + "/vmm", r, timeout_, rank_);
     const int pfd = fds.receive(r, tag);
     CUmemGenericAllocationHandle h = 0;
     const CUresult imported = drv.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(pfd)),
