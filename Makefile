@@ -1,23 +1,32 @@
 # Two commands do everything on a fresh machine (see README):
 #   make demo   the main job: FSDP2 training on 2 CPU processes through the tide backend
-#   make test   bootstrap, build, ctest, the sanitizer build's ctest, and pytest
+#   make test   bootstrap, build, ctest, the sanitizer build's ctest, and pytest: the whole
+#               suite on the default (newest) torch, and the Python suites of the backend,
+#               FSDP2 and the install on the oldest supported torch too ($(COMPAT_TORCH))
+#
+# TIDE_TORCH=<version> make ... uses another torch: each version has its own environment
+# (scripts/bootstrap) and its own build directory, build/torch-<version> (scripts/env).
 SHELL := /bin/bash
-BUILD ?= build
-ASAN_BUILD ?= build-asan
+ASAN_BUILD ?= build/asan
 JOBS ?= $(shell nproc)
 ENV := scripts/env
+COMPAT_TORCH ?= 2.11.0
+# The Python suites that must hold on every supported torch (the FSDP2 seams move).
+COMPAT_SUITES := tests/python/test_backend_ops.py tests/python/test_backend_failures.py \
+	tests/python/test_fsdp_zero_copy.py tests/python/test_fsdp_install.py
+CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null
 
-.PHONY: all build build-asan test test-cpp test-asan test-python demo bench clean
+.PHONY: all build build-asan test test-cpp test-asan test-python test-compat demo bench clean
 all: build
 
 build:
-	@$(ENV) bash -c 'cmake -S . -B $(BUILD) -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null && cmake --build $(BUILD) -j $(JOBS)'
+	@$(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS)'
 
 build-asan:
 	@$(ENV) bash -c 'cmake -S . -B $(ASAN_BUILD) -G Ninja -DTIDE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug >/dev/null && cmake --build $(ASAN_BUILD) -j $(JOBS)'
 
 test-cpp: build
-	@$(ENV) ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	@$(ENV) bash -c 'ctest --test-dir $$TIDE_BUILD --output-on-failure -j $(JOBS)'
 
 test-asan: build-asan
 	@$(ENV) bash -c 'ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS)'
@@ -25,12 +34,17 @@ test-asan: build-asan
 test-python: build
 	@$(ENV) python -m pytest -q tests/python
 
+# The compat torch builds only what differs per torch (tide._C), then runs COMPAT_SUITES.
+test-compat:
+	@TIDE_TORCH=$(COMPAT_TORCH) $(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS) --target tide_C && echo "== torch $$(python -c "import torch; print(torch.__version__)")" && python -m pytest -q $(COMPAT_SUITES)'
+
 # Runs every suite even when one fails, and fails if any did.
 test:
 	@rc=0; \
 	$(MAKE) --no-print-directory test-cpp || rc=1; \
 	$(MAKE) --no-print-directory test-asan || rc=1; \
 	$(MAKE) --no-print-directory test-python || rc=1; \
+	$(MAKE) --no-print-directory test-compat || rc=1; \
 	exit $$rc
 
 demo: build
@@ -40,4 +54,4 @@ bench: build
 	@$(ENV) python benchmarks/collectives.py
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) python/tide/_C*.so
+	rm -rf build python/tide/_C*.so

@@ -5,9 +5,26 @@
 """
 from __future__ import annotations
 
-import torch  # noqa: F401  loads libtorch / libc10, which tide._C links against
+import os
 
-from . import _C, fsdp
+import torch  # loads libtorch / libc10, which tide._C links against
+
+
+def _extend_path_to_extension() -> None:
+    """An installed tide has tide._C beside this file. In a source tree every torch version
+    has its own build directory (build/torch-<version>, see scripts/env): the running torch
+    loads the extension built against it, or TIDE_BUILD's."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if any(name.startswith("_C.") and name.endswith(".so") for name in os.listdir(here)):
+        return
+    build = os.environ.get("TIDE_BUILD") or os.path.join(
+        here, "..", "..", "build", "torch-" + torch.__version__.split("+")[0])
+    __path__.append(os.path.join(build, "python", "tide"))
+
+
+_extend_path_to_extension()
+
+from . import _C, fsdp  # noqa: E402
 from ._backend import BACKEND_NAME, register as _register
 
 __version__ = "0.1.0"

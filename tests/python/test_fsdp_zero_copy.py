@@ -50,11 +50,16 @@ def batch(step, rank):
 
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
                  reshard=True, profile=False, hsdp=False, divide_factor=None,
-                 explicit_unshard=False, slot_reuse=False):
-    """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params."""
+                 explicit_unshard=False, slot_reuse=False, debug_log=False):
+    """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params
+    (with profile=True, the profiler's event names of the last step, and with debug_log=True
+    also its events in order and what TIDE_DEBUG printed during it)."""
+    import contextlib
+    import io
     import os
 
     os.environ["TIDE_SLOT_REUSE"] = "1" if slot_reuse else "0"
+    os.environ["TIDE_DEBUG"] = "1" if debug_log else "0"
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -82,22 +87,26 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         model.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     early_state = model.state_dict()  # taken before training: must follow the parameters
-    losses, names = [], set()
+    losses, names, events, log = [], set(), [], io.StringIO()
     for step in range(STEPS):
         micro = 2 if accumulate else 1
         for m in range(micro):
             if accumulate:
                 model.set_requires_gradient_sync(m == micro - 1)
-            prof = torch.profiler.profile() if profile and step == STEPS - 1 else None
+            last = step == STEPS - 1
+            prof = torch.profiler.profile() if profile and last else None
+            with contextlib.ExitStack() as stack:
+                if prof:
+                    stack.enter_context(prof)
+                if debug_log and last:
+                    stack.enter_context(contextlib.redirect_stdout(log))
+                if explicit_unshard:
+                    model.unshard()  # FSDP2's explicit unshard, before forward asks for it
+                loss = loss_of(model, batch(step * micro + m, rank))
+                loss.backward()
             if prof:
-                prof.__enter__()
-            if explicit_unshard:
-                model.unshard()  # FSDP2's explicit unshard, before forward asks for it
-            loss = loss_of(model, batch(step * micro + m, rank))
-            loss.backward()
-            if prof:
-                prof.__exit__(None, None, None)
                 names |= {e.name for e in prof.events()}
+                events += [e.name for e in prof.events()]
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -109,6 +118,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     algorithm = staging.host_allgather_algorithm() if zero_copy and hasattr(
         staging, "host_allgather_algorithm") else None
     return dict(losses=losses, params=params, names=names, stats=dict(tide.fsdp.stats),
+                events=events if debug_log else None, log=log.getvalue(),
                 stale_state_dict=stale, algorithm=algorithm,
                 staging=(report.slot_bytes * report.num_slots, report.reused_slots) if report else None)
 
@@ -231,14 +241,36 @@ def test_recursive_doubling_all_gather_in_fsdp2_matches_stock(monkeypatch):
     assert zc[0]["losses"] == stock[0]["losses"]
 
 
+# FSDP2's layout copies: the all-gather's copy-in and copy-out, and the reduce-scatter's
+# copy-in (fsdp::chunk_cat up to torch 2.14, fsdp::chunk_cat_mixed_dtype from 2.15).
+AG_COPIES = {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy"}
+RS_COPIES = {"fsdp::chunk_cat", "fsdp::chunk_cat_mixed_dtype"}
+
+
 def test_no_layout_copies_in_a_tide_step():
-    copies = {"fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat"}
     zc = run_ranks(train_worker, 2, True, kwargs=dict(profile=True))
     stock = run_ranks(train_worker, 2, False, kwargs=dict(profile=True))
-    assert copies <= stock[0]["names"], "the profiler must see stock FSDP2's copies"
+    assert AG_COPIES <= stock[0]["names"] and RS_COPIES & stock[0]["names"], \
+        "the profiler must see stock FSDP2's copies"
+    copies = AG_COPIES | RS_COPIES
     assert not copies & zc[0]["names"], f"layout copies in a tide step: {copies & zc[0]['names']}"
     assert "tide:param_all_gather" in zc[0]["names"]
     assert "tide:param_reduce_scatter" in zc[0]["names"]
+
+
+def test_debug_log_names_the_zero_copy_path_for_every_collective():
+    """bf16 mixed precision with TIDE_DEBUG=1: one "zero-copy" line for each all-gather and
+    each reduce-scatter that FSDP2 itself issued in the step (counted from its own profiler
+    ranges, FSDP::all_gather and FSDP::post_backward_reduce), and no stock path."""
+    zc = run_ranks(train_worker, 2, True, True, kwargs=dict(profile=True, debug_log=True))
+    for rank, result in enumerate(zc):
+        events, log = result["events"], result["log"].splitlines()
+        fsdp_all_gathers = sum(e.split(" (")[0] == "FSDP::all_gather" for e in events)
+        fsdp_reduces = sum(e.split(" (")[0] == "FSDP::post_backward_reduce" for e in events)
+        assert fsdp_all_gathers > 0 and fsdp_reduces > 0, sorted(set(events))[:20]
+        assert sum("all-gather: zero-copy on cpu" in line for line in log) == fsdp_all_gathers, log
+        assert sum("reduce-scatter: zero-copy on cpu" in line for line in log) == fsdp_reduces, log
+        assert not [line for line in log if "stock" in line], f"rank {rank}: {log}"
 
 
 def staging_worker(rank, ws, per_rank_rows):

@@ -1,21 +1,20 @@
-"""Zero-copy FSDP2 on a ``tide`` process group.
+"""The zero-copy core of TIDE's FSDP2 integration, the same on every torch.
 
-FSDP2's param group calls three module-level functions around its collectives
-(``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``). ``import
-tide`` replaces them with the functions below, which take TIDE's path when the group's
-backend is tide and hand everything else to the originals unchanged:
+It knows FSDP2's objects (FSDPParam, its storages and dtypes) but not which torch release
+calls it: the adapters beside it (``_gen_*.py``, one per FSDP2 generation) fit it into
+that release's seams.
 
-* TIDE-AG: each rank's sharded parameters live in symmetric shared memory; every rank
-  reads every shard straight from its owner into the parameter's own unsharded storage
-  (``FSDPParam.all_gather_outputs``) at the planner's address, casting to the param dtype
-  on the way. No copy-in, no flat buffer, no copy-out.
-* TIDE-RS: each parameter's unsharded gradient (bf16 or fp32) is read directly and reduced
-  over ranks, in fp32 and rank order, into the flat sharded-gradient output that FSDP2
-  views per parameter. No ``chunk_cat`` and no world_size x shard fp32 buffer: staging is
-  bounded and independent of the world size. With ``TIDE_SLOT_REUSE=1`` the staging goes
-  into the layer's vacated all-gather storage (Slot-Reuse; on CUDA the storages then come
-  from a symmetric pool, python/tide/_pool.py, and the staging from pool memory the
-  all-gathers vacated).
+* TIDE-AG (``all_gather``): each rank's sharded parameters live in symmetric memory; every
+  rank reads every shard straight from its owner into the parameter's own unsharded
+  storage (``FSDPParam.all_gather_outputs``) at the planner's address, casting to the param
+  dtype on the way. No copy-in, no flat buffer, no copy-out.
+* TIDE-RS (``reduce_scatter``): each parameter's unsharded gradient (bf16 or fp32) is read
+  directly and reduced over ranks, in fp32 and rank order, into the flat sharded-gradient
+  output that FSDP2 views per parameter. No ``chunk_cat`` and no world_size x shard fp32
+  buffer: staging is bounded and independent of the world size. With
+  ``TIDE_SLOT_REUSE=1`` the staging goes into the layer's vacated all-gather storage
+  (Slot-Reuse; on CUDA the storages then come from a symmetric pool, python/tide/_pool.py,
+  and the staging from pool memory the all-gathers vacated).
 
 On CUDA tensors (a tide build with CUDA) the same two paths run on the GPUs of the node
 (src/torch/cuda, src/transport/cuda): the shards live in CUDA symmetric memory, copy
@@ -23,8 +22,6 @@ engines move them into the unsharded storages, and the reduce-scatter stages sli
 copy engines and accumulates them with a few short-lived CTAs. Everything is ordered on
 FSDP2's own streams with events, as its stock path is; the host never waits for the GPU
 (the ranks' CPUs meet once per collective for the argument check, TIDE_CUDA_CHECK_ARGS).
-
-``TIDE_FSDP=0`` switches the replacement off.
 """
 from __future__ import annotations
 
@@ -35,18 +32,24 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
-_SEAMS = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
 # Conversions the host transport does while copying / reducing (src/core/convert.hpp).
 _HALF = (torch.bfloat16, torch.float16)
 # How often each path ran in this process (tests check that the zero-copy path did run).
 stats = {"zero_copy_all_gather": 0, "zero_copy_reduce_scatter": 0,
          "stock_all_gather": 0, "stock_reduce_scatter": 0}
+# FSDP2's functions that the installed adapter replaced or wrapped, by name.
 _originals: dict = {}
-_MIN_TORCH = (2, 11)
+# What the core relies on in every generation ({target: {fingerprint: torch versions}},
+# _fingerprint.py); each adapter adds its own.
+KNOWN = {
+    "foreach_all_gather": {"59ae7f8fa1082775": "2.11-2.15"},
+    "FSDPParam.init_all_gather_outputs": {"798df254b89f0caa": "2.11, 2.12",
+                                          "620e7828c7746ae1": "2.13-2.15"},
+    "FSDPParam.alloc_all_gather_outputs": {"f7d1bb491a027ff5": "2.11-2.15"},
+}
 _ALIGN = 256  # byte alignment of each shard in symmetric memory (16-byte vector loads, cudaMalloc's)
 
 
@@ -97,7 +100,6 @@ def _why_not_cuda(backend, device):
 
 def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
-    from torch.distributed.fsdp._fully_shard._fsdp_common import compiled_autograd_enabled
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
     if backend is None:
@@ -106,8 +108,6 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
         return why
     if not isinstance(all_gather_comm, DefaultAllGather):
         return "a custom all-gather (set_custom_all_gather) is installed"
-    if compiled_autograd_enabled():
-        return "compiled autograd"
     for fp in fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
             return "parameters resharded to a smaller mesh after forward (reshard_after_forward=int)"
@@ -173,7 +173,8 @@ def _state_still_fits(state, fsdp_params, ws):
 
 
 def _group_state(fsdp_params, group, backend, device):
-    """Created at the group's first all-gather (a collective point on every rank)."""
+    """(state, None), or (None, why not). Created at the group's first all-gather (a
+    collective point on every rank)."""
     state = getattr(fsdp_params[0], "_tide_state", None)
     ws = group.size()
     if state is not None and _state_still_fits(state, fsdp_params, ws):
@@ -182,11 +183,12 @@ def _group_state(fsdp_params, group, backend, device):
             if _sharded_storage(fp).data_ptr() != state.home_ptrs[i]:
                 _C.move_storage(fp._sharded_param_data, state.shards, group.rank(),
                                 state.offsets[i])
-        return state
+        return state, None
     dtypes = {fp.orig_dtype for fp in fsdp_params}
-    if len(dtypes) != 1 or any(fp._sharded_param_data.storage_offset() != 0
-                               for fp in fsdp_params):
-        return None
+    if len(dtypes) != 1:
+        return None, f"parameters of mixed dtypes in one group ({sorted(map(str, dtypes))})"
+    if any(fp._sharded_param_data.storage_offset() != 0 for fp in fsdp_params):
+        return None, "a sharded parameter that does not start its storage (storage_offset != 0)"
     dtype = dtypes.pop()
     offsets, total = [], 0
     for fp in fsdp_params:
@@ -214,7 +216,7 @@ def _group_state(fsdp_params, group, backend, device):
         fp._tide_state = state
     _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory on "
            f"{shards.device} ({total} bytes per rank)")
-    return state
+    return state, None
 
 
 # One pool per (process group backend, device), held until release_cuda_pools() or exit:
@@ -301,7 +303,7 @@ def _free_unsharded_param(self):
             for tensor in self.all_gather_outputs:
                 if tensor.is_cuda and tensor.untyped_storage().nbytes() > 0:
                     tensor.record_stream(torch.cuda.current_stream(tensor.device))
-        return _originals["free_unsharded_param"](self)
+        return _originals["FSDPParam.free_unsharded_param"](self)
     from torch.distributed.fsdp._fully_shard._fsdp_param import free_storage
 
     for tensor in self._unsharded_inner_tensors:
@@ -310,18 +312,24 @@ def _free_unsharded_param(self):
 
 
 # ---- TIDE-AG ----------------------------------------------------------------------------------
-def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
-                       all_gather_stream, device, all_gather_comm):
+@torch.no_grad()  # as stock FSDP2's seams
+def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream,
+               device, all_gather_comm, why_not=None):
+    """TIDE-AG in place of FSDP2's foreach_all_gather (same arguments; `why_not` is an
+    adapter's own reason to decline). Returns FSDP2's AllGatherResult, whose output is an
+    empty marker: the data is already in every parameter's storage. Returns None where
+    FSDP2's stock path must run instead (after saying why, for a tide group)."""
     backend = _tide_backend(group, device)
-    why = _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend)
-    state = _group_state(fsdp_params, group, backend, device) if why is None else None
+    why = why_not if backend is not None and why_not else _why_not_all_gather(
+        fsdp_params, group, device, all_gather_comm, backend)
+    state = None
+    if why is None:
+        state, why = _group_state(fsdp_params, group, backend, device)
     if state is None:
         if backend is not None:
-            _fallback("all-gather", why or "parameters of mixed dtypes in one group")
+            _fallback("all-gather", why)
         stats["stock_all_gather"] += 1
-        return _originals["foreach_all_gather"](
-            fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream,
-            device, all_gather_comm)
+        return None
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
     ws = group.size()
@@ -379,9 +387,25 @@ def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
     return AllGatherResult(marker, event, work, dtypes, numels, [n[0] for n in numels])
 
 
-def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
-    if not getattr(all_gather_result.all_gather_output, "_tide_zero_copy", False):
-        return _originals["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
+def make_foreach_all_gather(why_not):
+    """FSDP2's foreach_all_gather seam (the same arguments from 2.11 to 2.15) running
+    TIDE-AG; `why_not(fsdp_params)` is the adapter's own reason to decline, or None."""
+    def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream,
+                           all_gather_stream, device, all_gather_comm):
+        args = (fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream,
+                device, all_gather_comm)
+        result = all_gather(*args, why_not=why_not(fsdp_params))
+        return result if result is not None else _originals["foreach_all_gather"](*args)
+    return foreach_all_gather
+
+
+def is_zero_copy(all_gather_result) -> bool:
+    return getattr(all_gather_result.all_gather_output, "_tide_zero_copy", False)
+
+
+def wait_all_gather(all_gather_result) -> None:
+    """What FSDP2's copy-out does before copying: the current stream waits for the
+    all-gather (CUDA), or the work is waited on. For TIDE-AG there is nothing to copy."""
     event, work = all_gather_result.all_gather_event, all_gather_result.all_gather_work
     if event is not None:  # CUDA: the current stream waits for the all-gather stream
         torch.cuda.current_stream().wait_event(event)
@@ -390,40 +414,55 @@ def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
 
 
 # ---- TIDE-RS ----------------------------------------------------------------------------------
-def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                   reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-                   all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-                   all_reduce_hook, force_sum_reduction_for_comms=False):
-    args = (fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-            reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-            all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-            all_reduce_hook, force_sum_reduction_for_comms)
+@dataclass
+class Reduced:
+    """What TIDE-RS hands back to FSDP2 (each adapter shapes it into its torch's tuple)."""
+    reduce_scatter_event: object
+    post_reduce_stream: object
+    post_reduce_event: object
+    all_reduce_input: object = None  # the output a user's all-reduce hook read (kept alive)
+    all_reduce_event: object = None
+
+
+@torch.no_grad()  # as stock FSDP2's seams
+def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
+                   reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor,
+                   all_reduce_group, all_reduce_stream, partial_reduce_output, all_reduce_hook,
+                   force_sum_reduction_for_comms, view_sharded_grads, run_post_accumulate_hooks,
+                   why_not=None):
+    """TIDE-RS in place of FSDP2's foreach_reduce: reduce-scatters the per-parameter
+    gradients, then (as stock) runs the all-reduce hook, post-divides, and accumulates
+    `view_sharded_grads(reduce_output, fsdp_params, out_offsets, padded_numels)` (the
+    adapter's torch casts and views the flat output its own way) into the sharded
+    gradients. Returns a Reduced, or None where FSDP2's stock path must run instead (after
+    saying why, for a tide group); `why_not` is an adapter's own reason to decline."""
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives as C
 
     backend = _tide_backend(reduce_scatter_group, device)
     grad_dtype = unsharded_grads[0].dtype
     reduce_dtype = reduce_dtype or grad_dtype
-    factors = C._get_gradient_divide_factors(
+    predivide, postdivide, rs_op, _ = C._get_gradient_divide_factors(
         reduce_scatter_group, all_reduce_group, reduce_dtype, device.type,
         gradient_divide_factor, force_sum_reduction_for_comms)
-    predivide, postdivide, rs_op, _ = factors
     why = None
     if backend is None:
         why = "not a tide group (or CUDA tensors with a tide built without CUDA)"
     elif reduce_scatter_group.size() == 1:
         why = "world size 1"
+    elif why_not:
+        why = why_not
     elif all_reduce_group is not None or partial_reduce_output is not None:
         why = "HSDP (replicate all-reduce)"
     elif not isinstance(reduce_scatter_comm, C.DefaultReduceScatter):
         why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
     elif predivide is not None:
         why = "pre-division for fp16 overflow safety"
-    elif not (reduce_dtype == grad_dtype
-              or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
-        why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
     elif len({g.dtype for g in unsharded_grads}) != 1 or any(
             fp.offload_to_cpu for fp in fsdp_params):
         why = "mixed gradient dtypes or CPU offload"
+    elif not (reduce_dtype == grad_dtype
+              or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
+        why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
     elif (cuda_why := _why_not_cuda(backend, device)) is not None:
         why = cuda_why
     elif device.type == "cuda" and reduce_dtype != torch.float32:
@@ -433,7 +472,7 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         if backend is not None and why != "world size 1":
             _fallback("reduce-scatter", why)
         stats["stock_reduce_scatter"] += 1
-        return _originals["foreach_reduce"](*args)
+        return None
 
     ws = reduce_scatter_group.size()
     state = getattr(fsdp_params[0], "_tide_state", None)
@@ -445,11 +484,29 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     padded = [lp.padded_shard_numel for lp in layout.params]
     out_offsets = [sum(padded[:i]) for i in range(len(padded))]
     grads = [g.contiguous() for g in unsharded_grads]
+
+    def accumulate(reduce_output):
+        """After the reduce-scatter, as stock foreach_reduce: hook, post-divide, then the
+        adapter's cast and views, accumulated into (or set as) each sharded gradient."""
+        if all_reduce_hook is not None:
+            all_reduce_hook(reduce_output)
+        C._div_if_needed(reduce_output, postdivide)
+        views = view_sharded_grads(reduce_output, fsdp_params, out_offsets, padded)
+        for fp, new_sharded_grad in zip(fsdp_params, views):
+            if fp.sharded_param.grad is not None:
+                fp.sharded_param.grad._local_tensor += new_sharded_grad
+            else:
+                fp.sharded_param.grad = fp.to_sharded_dtensor(new_sharded_grad)
+            if run_post_accumulate_hooks:
+                for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {})
+                             or {}).values():
+                    hook(fp.sharded_param)
+
     if device.type == "cuda":
         return _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets,
                                     padded, reduce_scatter_stream, all_reduce_stream,
-                                    reduce_dtype, rs_op, postdivide, orig_dtype, all_reduce_hook,
-                                    backend, device, state.pool if state is not None else None)
+                                    reduce_dtype, rs_op, all_reduce_hook, accumulate, backend,
+                                    device, state.pool if state is not None else None)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
     work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
@@ -460,11 +517,9 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     _reduce_scatter_done(fsdp_params, backend, device)
     del grads
     unsharded_grads.clear()  # autograd's gradients can go now
-    _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide, orig_dtype,
-                              all_reduce_hook)
-    stream = torch.cpu.current_stream()
-    event = stream.record_event()
-    return (torch.empty(0, device=device), event, event, None, None, None)
+    accumulate(reduce_output)
+    event = torch.cpu.current_stream().record_event()
+    return Reduced(event, reduce_scatter_stream, event)
 
 
 def _reduce_scatter_done(fsdp_params, backend, device):
@@ -477,7 +532,7 @@ def _reduce_scatter_done(fsdp_params, backend, device):
 
 def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
                          reduce_scatter_stream, all_reduce_stream, reduce_dtype, rs_op,
-                         postdivide, orig_dtype, all_reduce_hook, backend, device, pool):
+                         all_reduce_hook, accumulate, backend, device, pool):
     """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
     backward compute that made the gradients, and with events for FSDP2 to wait on. With a
     pool (Slot-Reuse), the staging goes into pool memory the all-gathers vacated."""
@@ -514,34 +569,13 @@ def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offset
         all_reduce_stream.wait_stream(reduce_scatter_stream)
         post_reduce_stream = all_reduce_stream
     with torch.cuda.stream(post_reduce_stream):
-        _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide,
-                                  orig_dtype, all_reduce_hook)
+        accumulate(reduce_output)
         post_reduce_event = post_reduce_stream.record_event()
-    return (torch.empty(0, device=device), reduce_scatter_event, post_reduce_event, None, None,
-            None)
-
-
-def _accumulate_sharded_grads(fsdp_params, reduce_output, out_offsets, postdivide, orig_dtype,
-                              all_reduce_hook):
-    """After the reduce-scatter, exactly as stock foreach_reduce: hook, post-divide, cast,
-    and view the flat output per parameter into (or onto) each sharded gradient."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives as C
-
-    if all_reduce_hook is not None:
-        all_reduce_hook(reduce_output)
-    C._div_if_needed(reduce_output, postdivide)
-    reduce_output = C._to_dtype_if_needed(reduce_output, orig_dtype)
-    # View the flat output per parameter and accumulate, exactly as stock foreach_reduce.
-    for offset, fp in zip(out_offsets, fsdp_params):
-        new_sharded_grad = torch.as_strided(reduce_output, size=fp.sharded_size,
-                                            stride=fp.contiguous_sharded_stride,
-                                            storage_offset=offset)
-        if fp.sharded_param.grad is not None:
-            fp.sharded_param.grad._local_tensor += new_sharded_grad
-        else:
-            fp.sharded_param.grad = fp.to_sharded_dtensor(new_sharded_grad)
-        for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
-            hook(fp.sharded_param)
+    if all_reduce_hook is None:
+        return Reduced(reduce_scatter_event, post_reduce_stream, post_reduce_event)
+    # The hook read the output off the reduce-scatter stream: FSDP2 holds it until then.
+    return Reduced(reduce_scatter_event, post_reduce_stream, post_reduce_event,
+                   reduce_output, post_reduce_event)
 
 
 def _vacated_storage(state):
@@ -554,56 +588,3 @@ def _vacated_storage(state):
     if any(fp is None or fp.sharded_state != ShardedState.SHARDED for fp in _params(state)):
         return None, []
     return state.storage, list(state.storage_regions)
-
-
-# ---- installing the seams -----------------------------------------------------------------------
-def install() -> bool:
-    """Replaces FSDP2's seams; returns False (with one warning saying why) when it cannot."""
-    if os.environ.get("TIDE_FSDP", "1") == "0":
-        return False
-    if _originals:
-        return True
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
-    except ImportError as e:
-        warnings.warn(f"tide: FSDP2 not found ({e}); zero-copy FSDP2 is off", stacklevel=2)
-        return False
-    missing = [s for s in _SEAMS if not hasattr(PG, s)]
-    if version < _MIN_TORCH or missing:
-        warnings.warn(
-            f"tide: torch {torch.__version__} "
-            + (f"lacks FSDP2's {missing}" if missing else f"is older than {_MIN_TORCH}")
-            + "; FSDP2 runs its stock path over the tide backend", stacklevel=2)
-        return False
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    # A torch whose seams take other arguments than the ones written against (2.11) keeps
-    # its stock path: replacing a function we do not understand would be worse.
-    import inspect
-
-    changed = [name for name in _SEAMS
-               if list(inspect.signature(getattr(PG, name)).parameters)
-               != list(inspect.signature(globals()[name]).parameters)]
-    if changed or not hasattr(FSDPParam, "free_unsharded_param"):
-        warnings.warn(f"tide: torch {torch.__version__} changed FSDP2's {changed or 'FSDPParam'}; "
-                      "FSDP2 runs its stock path over the tide backend", stacklevel=2)
-        return False
-    for name in _SEAMS:
-        _originals[name] = getattr(PG, name)
-        setattr(PG, name, globals()[name])
-    _originals["free_unsharded_param"] = FSDPParam.free_unsharded_param
-    FSDPParam.free_unsharded_param = _free_unsharded_param
-    return True
-
-
-def uninstall() -> None:
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
-    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-
-    for name in _SEAMS:
-        if name in _originals:
-            setattr(PG, name, _originals[name])
-    if "free_unsharded_param" in _originals:
-        FSDPParam.free_unsharded_param = _originals["free_unsharded_param"]
-    _originals.clear()
