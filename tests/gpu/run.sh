@@ -71,7 +71,7 @@ echo "== 5. torch: tide._C and the CUDA pytest" >&2
 if python3 -c "import torch, pybind11" 2>/dev/null; then
   run cmake -S . -B "$build" -DTIDE_BUILD_TORCH=ON -DPython3_EXECUTABLE="$(command -v python3)"
   run cmake --build "$build" -j"$jobs" --target tide_C || status=$?
-  PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 420 python3 -m pytest -q -rs \
+  TIDE_BUILD="$(cd "$build" && pwd)" PYTHONPATH="$root/python" USE_LIBUV=0 run timeout 420 python3 -m pytest -q -rs \
     tests/python/test_cuda_backend.py tests/python/test_fsdp_cuda.py || status=$?
 else
   echo "(python3 has no torch/pybind11: skipped)" >&2

@@ -50,7 +50,7 @@ def batch(step, rank):
 
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
                  reshard=True, profile=False, hsdp=False, divide_factor=None,
-                 explicit_unshard=False, slot_reuse=False, debug_log=False):
+                 explicit_unshard=False, slot_reuse=False, debug_log=False, late_install=False):
     """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params
     (with profile=True, the profiler's event names of the last step, and with debug_log=True
     also its events in order and what TIDE_DEBUG printed during it)."""
@@ -67,7 +67,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
 
     import tide.fsdp
 
-    if not zero_copy:
+    if not zero_copy or late_install:
         tide.fsdp.uninstall()
     torch.manual_seed(0)
     model = AwkwardModel()
@@ -83,6 +83,8 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard,
                     shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    if late_install:  # the param groups exist before TIDE is fitted into FSDP2
+        assert tide.fsdp.install()
     if divide_factor is not None:
         model.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -271,6 +273,24 @@ def test_debug_log_names_the_zero_copy_path_for_every_collective():
         assert sum("all-gather: zero-copy on cpu" in line for line in log) == fsdp_all_gathers, log
         assert sum("reduce-scatter: zero-copy on cpu" in line for line in log) == fsdp_reduces, log
         assert not [line for line in log if "stock" in line], f"rank {rank}: {log}"
+
+
+def test_param_groups_made_before_tide_is_installed():
+    """Up to torch 2.14 the copy-out is a module function, so groups made before
+    `import tide` run TIDE-AG too; from 2.15 the copy-out is each group's own hook, which
+    such a group does not have, so its all-gathers stay stock (the reduce-scatter, a module
+    function, is TIDE's in both). Either way: stock FSDP2's bits."""
+    import tide.fsdp
+
+    late = run_ranks(train_worker, 2, True, kwargs=dict(late_install=True))
+    stock = run_ranks(train_worker, 2, False)
+    stats = late[0]["stats"]
+    if tide.fsdp.generation() == "2.15":
+        assert stats["zero_copy_all_gather"] == 0 and stats["stock_all_gather"] > 0, stats
+        assert_zero_copy_ran(late[0], all_gather=False)
+    else:
+        assert_zero_copy_ran(late[0])
+    assert_params_equal(late[0]["params"], stock[0]["params"], "groups made before install")
 
 
 def staging_worker(rank, ws, per_rank_rows):
