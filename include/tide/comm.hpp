@@ -31,6 +31,9 @@ struct CommOptions {
   // 0: TIDE_ALLGATHER_PACE_BYTES or a slot. Ranks must agree (checked).
   std::string allgather_algorithm;
   size_t allgather_pace_bytes = 0;
+  // Where the step and flag counters start; ranks must agree. Only tests set it: near 2^32,
+  // to run the wrap-around that a long-lived communicator reaches after 2^32 pipeline steps.
+  uint64_t counter_start = 0;
 };
 
 struct ReduceArgs {

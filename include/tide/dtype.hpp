@@ -16,6 +16,9 @@ enum class ReduceOp : uint8_t {
   min,
   product,
   premul_sum,  // sum of (factor * x_r); the factor comes with the call
+  band,        // bitwise and, or, xor: integer and bool types only (bool: logical)
+  bor,
+  bxor,
 };
 
 size_t dtype_size(DType t);

@@ -15,6 +15,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -30,14 +31,21 @@ class FdChannel {
   // every peer's).
   FdChannel(Store& store, const std::string& ns, int rank, int world_size,
             std::chrono::milliseconds timeout);
+  // In two steps, for a caller that publishes the address in its own rendezvous: bind here,
+  // then connect() with every rank's address().
+  FdChannel(const std::string& ns, int rank, int world_size, std::chrono::milliseconds timeout);
+  const std::string& address() const { return addresses_[rank_]; }
+  void connect(std::vector<std::string> addresses);
   ~FdChannel();
   FdChannel(const FdChannel&) = delete;
   FdChannel& operator=(const FdChannel&) = delete;
 
   // Sends a duplicate of `fd` (the caller keeps its own) to `peer` under `tag`.
   void send(int peer, uint64_t tag, int fd);
-  // The fd `peer` sent under `tag`; the caller owns it (close it).
-  int receive(int peer, uint64_t tag);
+  // The fd `peer` sent under `tag`; the caller owns it (close it). `between_polls`, when
+  // given, runs about every 10 ms while waiting (it throws to give up early, e.g. when the
+  // peer died).
+  int receive(int peer, uint64_t tag, const std::function<void()>& between_polls = {});
 
   int rank() const { return rank_; }
 

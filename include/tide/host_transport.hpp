@@ -1,5 +1,6 @@
-// The host transport: ranks of one host over POSIX shared memory (one segment per rank,
-// mapped by every peer, unlinked as soon as all have mapped it).
+// The host transport: ranks of one host over shared memory (one segment per rank, mapped
+// by every peer). Segments are memfds without a name, handed to the peers over the
+// FdChannel, so nothing outlives the processes, and /dev/shm's size does not limit them.
 //
 // Environment (CommOptions fields win where they are set):
 //   TIDE_SHM_STAGING_BYTES  staging per rank, default 16M (K/M/G suffixes); ranks must agree
@@ -11,6 +12,8 @@
 //   TIDE_HOST_ALLGATHER     param_all_gather: direct (default) or doubling (the inter-node
 //                           paced recursive doubling, through staging); ranks must agree
 //   TIDE_ALLGATHER_PACE_BYTES  bytes per rank and doubling round, default one slot
+//   TIDE_HOST_ID            which host this process is on (ranks must share it); default
+//                           hostname/boot id
 //   TIDE_DEBUG              1 prints the transport, threads, staging and CMA decision
 #pragma once
 #include <memory>
@@ -22,9 +25,9 @@
 
 namespace tide {
 
-// Shared-memory object names start with this (they live in /dev/shm only until every rank
-// has mapped them).
-inline constexpr const char* kShmPrefix = "tide-";
+// The memfd labels (shown in /proc/<pid>/maps as "/memfd:tide-host (deleted)").
+inline constexpr const char* kSegmentLabel = "tide-host";
+inline constexpr const char* kSymmetricLabel = "tide-symmetric";
 inline constexpr size_t kDefaultStagingBytes = size_t{16} << 20;
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,

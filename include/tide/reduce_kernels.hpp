@@ -12,7 +12,7 @@ namespace tide {
 
 // Throws tide::Error ("tide <collective>: ...") unless `op` can reduce src into dst:
 // src == dst, or src bf16/f16 with dst f32; avg/premul_sum need a non-bool type.
-void check_reduce(const char* collective, DType src, DType dst, ReduceOp op);
+void check_reduce(const char* collective, int rank, DType src, DType dst, ReduceOp op);
 
 // dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) for i < count. avg divides by n; premul_sum
 // multiplies each source by args.premul_factor first. dst may alias a source (the same

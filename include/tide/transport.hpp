@@ -85,11 +85,15 @@ class Transport {
   virtual bool can_get() const { return false; }
   virtual void get(int peer, void* dst, const void* remote, size_t bytes);
 
-  // Set my flag to `value` (release) and wake its waiters.
-  virtual void post(Flag flag, uint32_t value) = 0;
+  // Set my flag to `value` (release) and wake its waiters. Counters are 64-bit; a flag holds
+  // the low 32 bits and compares cyclically, so a waiter may trail by up to 2^31.
+  virtual void post(Flag flag, uint64_t value) = 0;
   // Until `peer`'s flag reaches `value` (acquire). Throws TimeoutError when the current op's
   // deadline passes, or the peer died or aborted.
-  virtual void wait(int peer, Flag flag, uint32_t value) = 0;
+  virtual void wait(int peer, Flag flag, uint64_t value) = 0;
+  // Where every counter (pipeline steps, p2p chunks, exchanges) starts; every flag holds it
+  // from creation on (CommOptions::counter_start).
+  virtual uint64_t counter_start() const { return 0; }
 
   // All-gather of a small control record (`bytes` <= max_exchange_bytes()) into
   // all[world_size * bytes]; returns once every rank has contributed (a barrier).

@@ -20,19 +20,21 @@ namespace tide::algo {
 
 struct Ctx {
   Transport& t;
-  uint32_t step = 0;                        // the current (last begun) pipeline step
-  std::vector<uint32_t> sent, received;     // p2p chunks per peer (send_recv.cpp)
+  const uint64_t first;                     // where the counters started
+  uint64_t step;                            // the current (last begun) pipeline step
+  std::vector<uint64_t> sent, received;     // p2p chunks per peer (send_recv.cpp)
 
   explicit Ctx(Transport& transport)
-      : t(transport), sent(transport.world_size()), received(transport.world_size()) {}
+      : t(transport), first(transport.counter_start()), step(first),
+        sent(transport.world_size(), first), received(transport.world_size(), first) {}
   int rank() const { return t.rank(); }
   int ws() const { return t.world_size(); }
 
   // Starts the next step and returns its slot, free for writing.
   int begin_step() {
     ++step;
-    const uint32_t n = static_cast<uint32_t>(t.num_slots());
-    if (step > n)
+    const uint64_t n = static_cast<uint64_t>(t.num_slots());
+    if (step - first > n)
       for (int p = 0; p < ws(); ++p)
         if (p != rank()) t.wait(p, Flag::done(), step - n);
     return static_cast<int>(step % n);

@@ -126,7 +126,7 @@ class HostComm final : public Comm {
                       ReduceArgs op) override {
     Desc d{Kind::reduce_scatter, in_dtype, out_dtype, op.op, 0, count};
     run(d, [&] {
-      check_reduce("reduce_scatter", in_dtype, out_dtype, op.op);
+      check_reduce("reduce_scatter", rank_, in_dtype, out_dtype, op.op);
       TIDE_CHECK(ins.size() == static_cast<size_t>(ws_), "tide reduce_scatter: rank ", rank_, " passed ", ins.size(),
                  " inputs, expected world_size=", ws_);
       for (size_t r = 0; r < ins.size(); ++r) check_ptr("reduce_scatter", ins[r], count, "ins[", r, "]");
@@ -137,7 +137,7 @@ class HostComm final : public Comm {
   void all_reduce(void* inout, size_t count, DType dtype, ReduceArgs op) override {
     Desc d{Kind::all_reduce, dtype, dtype, op.op, 0, count};
     run(d, [&] {
-      check_reduce("all_reduce", dtype, dtype, op.op);
+      check_reduce("all_reduce", rank_, dtype, dtype, op.op);
       check_ptr("all_reduce", inout, count, "buffer");
     }, [&] { algo::all_reduce(ctx_, inout, count, dtype, op); });
   }
@@ -145,7 +145,7 @@ class HostComm final : public Comm {
   void reduce(void* inout, size_t count, DType dtype, ReduceArgs op, int root) override {
     Desc d{Kind::reduce, dtype, dtype, op.op, root, count};
     run(d, [&] {
-      check_reduce("reduce", dtype, dtype, op.op);
+      check_reduce("reduce", rank_, dtype, dtype, op.op);
       check_root("reduce", root);
       check_ptr("reduce", inout, count, "buffer");
     }, [&] { algo::reduce(ctx_, inout, count, dtype, op, root); });
@@ -270,7 +270,7 @@ class HostComm final : public Comm {
     StagingReport report;
     run(d, [&] {
       check_layout(name, a.layout);
-      check_reduce(name, a.grad_dtype, a.out_dtype, a.op.op);
+      check_reduce(name, rank_, a.grad_dtype, a.out_dtype, a.op.op);
       const size_t np = a.layout->params.size();
       TIDE_CHECK(a.grads.size() == np && a.out_offsets.size() == np, "tide param_reduce_scatter: rank ", rank_,
                  " passed ", a.grads.size(), " gradients and ", a.out_offsets.size(), " output offsets for ", np,

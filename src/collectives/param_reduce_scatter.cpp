@@ -53,7 +53,7 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
     plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
                                                        report.num_slots, align);
     for (int i = 0; i < report.num_slots; ++i) {
-      const int idx = static_cast<int>((c.step + 1 + static_cast<uint32_t>(i)) % static_cast<uint32_t>(n_slots));
+      const int idx = static_cast<int>((c.step + 1 + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots));
       if (homes.slots[i].reused) {
         reuse_off[idx] = homes.slots[i].offset;
         ++report.reused_slots;

@@ -27,8 +27,8 @@ void send(Ctx& c, const void* buf, size_t bytes, int peer, int tag) {
   const int me = c.rank(), depth = t.channel_depth();
   const size_t cap = payload(t), chunks = num_chunks(t, bytes);
   for (size_t i = 0; i < chunks; ++i) {
-    const uint32_t k = ++c.sent[peer];
-    if (k > static_cast<uint32_t>(depth)) t.wait(peer, Flag::taken(me), k - depth);
+    const uint64_t k = ++c.sent[peer];
+    if (k - c.first > static_cast<uint64_t>(depth)) t.wait(peer, Flag::taken(me), k - depth);
     std::byte* ch = t.channel(me, peer, static_cast<int>(k % depth));
     ChunkHeader h{tag, bytes, i};
     std::memcpy(ch, &h, sizeof h);
@@ -43,7 +43,7 @@ void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag) {
   const int me = c.rank(), depth = t.channel_depth();
   const size_t cap = payload(t), chunks = num_chunks(t, bytes);
   for (size_t i = 0; i < chunks; ++i) {
-    const uint32_t k = c.received[peer] + 1;
+    const uint64_t k = c.received[peer] + 1;
     t.wait(peer, Flag::sent(me), k);
     const std::byte* ch = t.channel(peer, me, static_cast<int>(k % depth));
     ChunkHeader h;

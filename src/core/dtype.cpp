@@ -36,6 +36,9 @@ const char* reduce_op_name(ReduceOp op) {
     case ReduceOp::min: return "min";
     case ReduceOp::product: return "product";
     case ReduceOp::premul_sum: return "premul_sum";
+    case ReduceOp::band: return "band";
+    case ReduceOp::bor: return "bor";
+    case ReduceOp::bxor: return "bxor";
   }
   return "?";
 }

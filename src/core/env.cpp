@@ -17,6 +17,11 @@ int64_t get_int(const char* name, int64_t fallback) {
   return x;
 }
 
+std::string get_string(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
 size_t get_bytes(const char* name, size_t fallback) {
   const char* v = std::getenv(name);
   if (!v || !*v) return fallback;

@@ -6,12 +6,15 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstddef>
 #include <cstring>
 #include <thread>
 
 #include "tide/error.hpp"
+#include "tide/hash.hpp"
 
 namespace tide {
 namespace {
@@ -34,8 +37,7 @@ sockaddr_un make_address(const std::string& name, socklen_t* len) {
 
 }  // namespace
 
-FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_size,
-                     std::chrono::milliseconds timeout)
+FdChannel::FdChannel(const std::string& ns, int rank, int world_size, std::chrono::milliseconds timeout)
     : rank_(rank), world_size_(world_size), timeout_(timeout), addresses_(world_size) {
   TIDE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "tide: fd channel: bad rank ", rank,
              " of world size ", world_size);
@@ -48,7 +50,14 @@ FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_si
     ::close(sock_);
     throw Error(detail::concat("tide: fd channel: rank ", rank, ": SO_PASSCRED failed: ", std::strerror(err)));
   }
-  const std::string mine = detail::concat("tide-fd/", ns, "/", rank, "/", ::getpid());
+  // Unique per channel (a process may hold two channels of one group name, the old one not
+  // yet destroyed) and short (sun_path holds 107 bytes) whatever the group's name.
+  static std::atomic<uint64_t> channels{0};
+  uint64_t h = kFnvBasis;
+  for (unsigned char c : ns) h = fnv(h, c);
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  const std::string mine = detail::concat("tide-fd/", hex, "/", rank, "/", ::getpid(), "/", ++channels);
   socklen_t len = 0;
   sockaddr_un addr = make_address(mine, &len);
   if (::bind(sock_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
@@ -56,17 +65,26 @@ FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_si
     ::close(sock_);
     throw Error(detail::concat("tide: fd channel: rank ", rank, ": bind '", mine, "' failed: ", std::strerror(err)));
   }
+  addresses_[rank] = mine;
+}
+
+FdChannel::FdChannel(Store& store, const std::string& ns, int rank, int world_size,
+                     std::chrono::milliseconds timeout)
+    : FdChannel(ns, rank, world_size, timeout) {
+  // The delegated constructor finished, so the destructor closes the socket if this throws.
   const std::string key = "tide-fd/" + ns + "/";
-  try {
-    store.set(key + std::to_string(rank), std::vector<uint8_t>(mine.begin(), mine.end()));
-    for (int r = 0; r < world_size; ++r) {
-      std::vector<uint8_t> v = store.get(key + std::to_string(r), timeout);
-      addresses_[r].assign(v.begin(), v.end());
-    }
-  } catch (...) {
-    ::close(sock_);  // no destructor for a constructor that throws
-    throw;
-  }
+  store.set(key + std::to_string(rank), std::vector<uint8_t>(address().begin(), address().end()));
+  std::vector<std::string> all;
+  for (auto& v : await_ranks(store, key, world_size, "", timeout,
+                             detail::concat("tide: fd channel: rank ", rank, " of '", ns, "'")))
+    all.emplace_back(v.begin(), v.end());
+  connect(std::move(all));
+}
+
+void FdChannel::connect(std::vector<std::string> addresses) {
+  TIDE_CHECK(addresses.size() == static_cast<size_t>(world_size_) && addresses[rank_] == addresses_[rank_],
+             "tide: fd channel: rank ", rank_, ": connect() needs every rank's address, this rank's own included");
+  addresses_ = std::move(addresses);
 }
 
 FdChannel::~FdChannel() {
@@ -100,7 +118,11 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
   for (;;) {
     if (::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof h)) return;
     const int err = errno;
-    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR && err != ECONNREFUSED)
+    // Addresses are published only once bound, so a refusal means the peer's socket is gone.
+    if (err == ECONNREFUSED)
+      throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": rank ", peer,
+                                        " has closed its channel (did the process exit?) before taking tag ", tag));
+    if (err != EAGAIN && err != EWOULDBLOCK && err != EINTR)
       throw Error(detail::concat("tide: fd channel: rank ", rank_, ": sending tag ", tag, " to rank ", peer,
                                  " failed: ", std::strerror(err)));
     if (std::chrono::steady_clock::now() > deadline)
@@ -115,7 +137,7 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
   }
 }
 
-int FdChannel::receive(int peer, uint64_t tag) {
+int FdChannel::receive(int peer, uint64_t tag, const std::function<void()>& between_polls) {
   TIDE_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "tide: fd channel: rank ", rank_, ": bad peer ", peer);
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
@@ -129,7 +151,10 @@ int FdChannel::receive(int peer, uint64_t tag) {
       throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": nothing from rank ", peer, " under tag ",
                                         tag, " within ", timeout_.count(), " ms"));
     pollfd p{sock_, POLLIN, 0};
-    if (::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 1000))) > 0) take_one();
+    if (::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, between_polls ? 10 : 1000))) > 0)
+      take_one();
+    else if (between_polls)
+      between_polls();
   }
 }
 

@@ -92,6 +92,8 @@ class FileStore final : public Store {
     }
   }
 
+  bool check(const std::string& key) override { return ::access(path(key).c_str(), F_OK) == 0; }
+
   int64_t add(const std::string& key, int64_t delta) override {
     std::string lock = path(key) + ".lock";
     int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);

@@ -13,6 +13,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "tide/error.hpp"
 
@@ -91,7 +92,7 @@ template <> inline int64_t mul(int64_t a, int64_t b) {
   return static_cast<int64_t>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
 }
 
-enum class K { sum, max, min, prod, bor, band };
+enum class K { sum, max, min, prod, bor, band, bxor };
 
 template <K k, class A> inline A combine(A a, A b) {
   if constexpr (k == K::sum) return add(a, b);
@@ -99,7 +100,8 @@ template <K k, class A> inline A combine(A a, A b) {
   else if constexpr (k == K::min) return b < a ? b : a;
   else if constexpr (k == K::prod) return mul(a, b);
   else if constexpr (k == K::bor) return a | b;
-  else return a & b;
+  else if constexpr (k == K::band) return a & b;
+  else return a ^ b;
 }
 
 // pre: 0 none, 1 multiply by factor, 2 bool (x != 0); post: 0 none, 1 divide by n, 2 bool.
@@ -144,6 +146,15 @@ void dispatch_op(void* dst, const void* const* srcs, size_t n, size_t count, Red
     case ReduceOp::min: return run<K::min, 0, 0, S, D, A>(d, s, n, count, f);
     case ReduceOp::product: return run<K::prod, 0, 0, S, D, A>(d, s, n, count, f);
     case ReduceOp::premul_sum: return run<K::sum, 1, 0, S, D, A>(d, s, n, count, f);
+    case ReduceOp::band: case ReduceOp::bor: case ReduceOp::bxor:
+      // Integers only (check_reduce refuses the rest). Sign-extended int64 accumulators
+      // give the same low bits as the narrow type would.
+      if constexpr (std::is_integral_v<A>) {
+        if (args.op == ReduceOp::band) return run<K::band, 0, 0, S, D, A>(d, s, n, count, f);
+        if (args.op == ReduceOp::bor) return run<K::bor, 0, 0, S, D, A>(d, s, n, count, f);
+        return run<K::bxor, 0, 0, S, D, A>(d, s, n, count, f);
+      }
+      break;
   }
 }
 
@@ -153,20 +164,27 @@ void dispatch_bool(void* dst, const void* const* srcs, size_t n, size_t count, R
   switch (op) {
     case ReduceOp::sum: case ReduceOp::max:
       return run<K::bor, 2, 2, uint8_t, uint8_t, int64_t>(d, s, n, count, 0);
-    case ReduceOp::min: case ReduceOp::product:
+    case ReduceOp::min: case ReduceOp::product: case ReduceOp::band:
       return run<K::band, 2, 2, uint8_t, uint8_t, int64_t>(d, s, n, count, 0);
+    case ReduceOp::bor:
+      return run<K::bor, 2, 2, uint8_t, uint8_t, int64_t>(d, s, n, count, 0);
+    case ReduceOp::bxor:
+      return run<K::bxor, 2, 2, uint8_t, uint8_t, int64_t>(d, s, n, count, 0);
     default: break;
   }
 }
 
 }  // namespace
 
-void check_reduce(const char* collective, DType src, DType dst, ReduceOp op) {
+void check_reduce(const char* collective, int rank, DType src, DType dst, ReduceOp op) {
   bool widen = (src == DType::bf16 || src == DType::f16) && dst == DType::f32;
-  TIDE_CHECK(src == dst || widen, "tide ", collective, ": cannot reduce ", dtype_name(src), " into ",
+  TIDE_CHECK(src == dst || widen, "tide ", collective, ": rank ", rank, ": cannot reduce ", dtype_name(src), " into ",
              dtype_name(dst), " (only equal types, or bf16/f16 into f32)");
   TIDE_CHECK(!(src == DType::boolean && (op == ReduceOp::avg || op == ReduceOp::premul_sum)), "tide ",
-             collective, ": ", reduce_op_name(op), " is not defined for bool");
+             collective, ": rank ", rank, ": ", reduce_op_name(op), " is not defined for bool");
+  const bool bitwise = op == ReduceOp::band || op == ReduceOp::bor || op == ReduceOp::bxor;
+  TIDE_CHECK(!(bitwise && is_floating(src)), "tide ", collective, ": rank ", rank, ": ", reduce_op_name(op),
+             " is a bitwise reduction, defined for integer and bool tensors, not ", dtype_name(src));
 }
 
 void reduce_kernel(void* dst, DType dst_dtype, const void* const* srcs, size_t n, DType src_dtype,

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "tide/error.hpp"
+#include "tide/reduce_kernels.hpp"
 
 namespace tide::torch_backend {
 namespace {
@@ -17,6 +18,8 @@ class C10dStore : public tide::Store {
     store_->set(key, value);
   }
   std::vector<uint8_t> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    // c10d reads a zero timeout as "wait forever" (Store::kNoTimeout): never pass one.
+    TORCH_CHECK(timeout.count() > 0, "tide: store get of '", key, "' without a timeout");
     try {
       store_->wait({key}, timeout);
     } catch (const std::exception& e) {
@@ -24,6 +27,7 @@ class C10dStore : public tide::Store {
     }
     return store_->get(key);
   }
+  bool check(const std::string& key) override { return store_->check({key}); }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
 
  private:
@@ -102,13 +106,16 @@ Output output(const at::Tensor& t, const OpContext& ctx, const char* what = "out
   return Output{t, t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous)};
 }
 
-ReduceArgs to_reduce(const c10d::ReduceOp& op, const OpContext& ctx) {
+ReduceArgs to_reduce_op(const c10d::ReduceOp& op, const OpContext& ctx) {
   switch (op.op_) {
     case c10d::ReduceOp::SUM: return {ReduceOp::sum};
     case c10d::ReduceOp::AVG: return {ReduceOp::avg};
     case c10d::ReduceOp::MAX: return {ReduceOp::max};
     case c10d::ReduceOp::MIN: return {ReduceOp::min};
     case c10d::ReduceOp::PRODUCT: return {ReduceOp::product};
+    case c10d::ReduceOp::BAND: return {ReduceOp::band};
+    case c10d::ReduceOp::BOR: return {ReduceOp::bor};
+    case c10d::ReduceOp::BXOR: return {ReduceOp::bxor};
     case c10d::ReduceOp::PREMUL_SUM: {
       auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK(sup, "tide ", ctx.name, ": rank ", ctx.rank, ": PREMUL_SUM without a factor");
@@ -118,13 +125,44 @@ ReduceArgs to_reduce(const c10d::ReduceOp& op, const OpContext& ctx) {
     }
     default:
       TORCH_CHECK(false, "tide ", ctx.name, ": rank ", ctx.rank, ": reduce op ", int(op.op_),
-                  " is not supported (SUM, AVG, MAX, MIN, PRODUCT, PREMUL_SUM are)");
+                  " is not supported (SUM, AVG, MAX, MIN, PRODUCT, PREMUL_SUM, BAND, BOR, BXOR are)");
   }
 }
 
+// The op, checked locally against the dtypes (a local error leaves the group usable).
+ReduceArgs to_reduce(const c10d::ReduceOp& op, const OpContext& ctx, DType in, DType out) {
+  ReduceArgs args = to_reduce_op(op, ctx);
+  check_reduce(ctx.name, ctx.rank, in, out, args.op);
+  return args;
+}
+
+// The built-in backends' wording first (torch's own tests match it), then tide's detail.
+void check_nonempty(const std::vector<at::Tensor>& tensors, const OpContext& ctx) {
+  TORCH_CHECK(!tensors.empty(), "tide ", ctx.name, ": rank ", ctx.rank, ": requires non-empty tensor list");
+}
+
 void check_single(const std::vector<at::Tensor>& tensors, const OpContext& ctx) {
+  check_nonempty(tensors, ctx);
   TORCH_CHECK(tensors.size() == 1, "tide ", ctx.name, ": rank ", ctx.rank,
-              ": expects one tensor per call, got ", tensors.size());
+              ": requires a single-element tensor list, got ", tensors.size(), " tensors");
+}
+
+void check_root(int64_t root, int size, const OpContext& ctx) {
+  TORCH_CHECK(root >= 0 && root < size, "tide ", ctx.name, ": rank ", ctx.rank, ": invalid root rank: ", root,
+              " (the group has ", size, " ranks)");
+}
+
+// Several tensors in one call (gloo's multi-tensor form): all of one dtype and size.
+void check_alike(const std::vector<at::Tensor>& tensors, const OpContext& ctx) {
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    check_tensor(tensors[i], ctx, "tensor");
+    TORCH_CHECK(tensors[i].scalar_type() == tensors[0].scalar_type(), "tide ", ctx.name, ": rank ", ctx.rank,
+                ": invalid tensor type: tensor ", i, " is ", tensors[i].scalar_type(), ", tensor 0 is ",
+                tensors[0].scalar_type());
+    TORCH_CHECK(tensors[i].sizes() == tensors[0].sizes(), "tide ", ctx.name, ": rank ", ctx.rank,
+                ": invalid tensor size: tensor ", i, " has size ", tensors[i].sizes(), ", tensor 0 has ",
+                tensors[0].sizes());
+  }
 }
 
 void check_numel(const at::Tensor& t, int64_t expected, const OpContext& ctx, const char* what,
@@ -170,7 +208,11 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
   C10dStore tide_store(store);
   CommOptions options;
   options.timeout = timeout;
-  comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+  try {
+    comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+  } catch (const tide::TimeoutError& e) {
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
   worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -206,6 +248,9 @@ void ProcessGroupTide::worker_loop() {
     std::exception_ptr eptr;
     try {
       item.second();
+    } catch (const tide::TimeoutError& e) {
+      // A peer failed: what ProcessGroupNCCL and ProcessGroupGloo raise for it.
+      eptr = std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, e.what()));
     } catch (...) {
       eptr = std::current_exception();
     }
@@ -229,15 +274,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tenso
                                                            const c10d::BroadcastOptions& opts) {
   if (is_cuda(tensors)) return cuda_delegate("broadcast")->broadcast(tensors, opts);
   OpContext ctx{"broadcast", getRank()};
-  check_single(tensors, ctx);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide broadcast: rank ", getRank(),
-              ": root ", opts.rootRank, " is outside the group of ", getSize());
-  auto out = output(tensors[0], ctx, "tensor");
+  check_nonempty(tensors, ctx);
+  check_root(opts.rootRank, getSize(), ctx);
+  TORCH_CHECK(opts.rootTensor >= 0 && opts.rootTensor < static_cast<int64_t>(tensors.size()), "tide broadcast: rank ",
+              getRank(), ": invalid root tensor: ", opts.rootTensor, " (", tensors.size(), " tensors)");
+  check_alike(tensors, ctx);
+  // The root's tensors[rootTensor] goes to every tensor of every rank.
+  const size_t src = static_cast<size_t>(opts.rootTensor);
+  auto out = output(tensors[src], ctx, "tensor");
   if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
   int root = static_cast<int>(opts.rootRank);
-  return enqueue(c10d::OpType::BROADCAST, "tide:broadcast", tensors, [this, out, root]() mutable {
+  return enqueue(c10d::OpType::BROADCAST, "tide:broadcast", tensors, [this, out, root, tensors, src]() mutable {
     comm_->broadcast(out.data(), nbytes(out.buf), root);
     out.finish();
+    for (size_t i = 0; i < tensors.size(); ++i)
+      if (i != src) tensors[i].copy_(out.user);
   });
 }
 
@@ -245,14 +296,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tenso
                                                            const c10d::AllreduceOptions& opts) {
   if (is_cuda(tensors)) return cuda_delegate("allreduce")->allreduce(tensors, opts);
   OpContext ctx{"allreduce", getRank()};
-  check_single(tensors, ctx);
+  check_nonempty(tensors, ctx);
+  check_alike(tensors, ctx);
   auto out = output(tensors[0], ctx, "tensor");
   if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
   auto dtype = to_dtype(out.buf.scalar_type(), ctx);
-  auto red = to_reduce(opts.reduceOp, ctx);
+  auto red = to_reduce(opts.reduceOp, ctx, dtype, dtype);
+  // Several tensors (gloo's multi-tensor form): every tensor of every rank is reduced into
+  // all of them; this rank's first, in list order, then across ranks.
+  std::vector<at::Tensor> rest;
+  for (size_t i = 1; i < tensors.size(); ++i) rest.push_back(tensors[i].contiguous());
+  TORCH_CHECK(rest.empty() || (red.op != ReduceOp::avg && red.op != ReduceOp::premul_sum), "tide allreduce: rank ",
+              getRank(), ": ", reduce_op_name(red.op), " over a list of ", tensors.size(),
+              " tensors is not supported (SUM, MIN, MAX, PRODUCT and the bitwise ops are)");
   return enqueue(c10d::OpType::ALLREDUCE, "tide:all_reduce", tensors, [=, this]() mutable {
+    if (!rest.empty()) {
+      std::vector<const void*> srcs{out.data()};
+      for (auto& t : rest) srcs.push_back(t.data_ptr());
+      reduce_kernel(out.data(), dtype, srcs.data(), srcs.size(), dtype, static_cast<size_t>(out.buf.numel()), red);
+    }
     comm_->all_reduce(out.data(), out.buf.numel(), dtype, red);
     out.finish();
+    for (size_t i = 1; i < tensors.size(); ++i) tensors[i].copy_(out.user);
   });
 }
 
@@ -268,7 +333,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
     if (!outs.back().buf.is_same(t)) outs.back().buf.copy_(t);
     dtypes.push_back(to_dtype(t.scalar_type(), ctx));
   }
-  auto red = to_reduce(opts.reduceOp, ctx);
+  ReduceArgs red = to_reduce_op(opts.reduceOp, ctx);
+  for (DType d : dtypes) red = to_reduce(opts.reduceOp, ctx, d, d);
   return enqueue(c10d::OpType::ALLREDUCE_COALESCED, "tide:all_reduce_coalesced", tensors,
                  [=, this]() mutable {
                    for (size_t i = 0; i < outs.size(); ++i) {
@@ -283,12 +349,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>&
   if (is_cuda(tensors)) return cuda_delegate("reduce")->reduce(tensors, opts);
   OpContext ctx{"reduce", getRank()};
   check_single(tensors, ctx);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide reduce: rank ", getRank(),
-              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  check_root(opts.rootRank, getSize(), ctx);
   auto out = output(tensors[0], ctx, "tensor");
   if (!out.buf.is_same(out.user)) out.buf.copy_(out.user);
   auto dtype = to_dtype(out.buf.scalar_type(), ctx);
-  auto red = to_reduce(opts.reduceOp, ctx);
+  auto red = to_reduce(opts.reduceOp, ctx, dtype, dtype);
   int root = static_cast<int>(opts.rootRank);
   return enqueue(c10d::OpType::REDUCE, "tide:reduce", tensors, [=, this]() mutable {
     comm_->reduce(out.data(), out.buf.numel(), dtype, red, root);
@@ -418,8 +483,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
   if (is_cuda(inputs)) return cuda_delegate("gather")->gather(outputs, inputs, opts);
   OpContext ctx{"gather", getRank()};
   check_single(inputs, ctx);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide gather: rank ", getRank(),
-              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  check_root(opts.rootRank, getSize(), ctx);
   int root = static_cast<int>(opts.rootRank);
   auto in = input(inputs[0], ctx);
   std::vector<Output> outs;
@@ -452,8 +516,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
   if (is_cuda(outputs)) return cuda_delegate("scatter")->scatter(outputs, inputs, opts);
   OpContext ctx{"scatter", getRank()};
   check_single(outputs, ctx);
-  TORCH_CHECK(opts.rootRank >= 0 && opts.rootRank < getSize(), "tide scatter: rank ", getRank(),
-              ": root ", opts.rootRank, " is outside the group of ", getSize());
+  check_root(opts.rootRank, getSize(), ctx);
   int root = static_cast<int>(opts.rootRank);
   auto out = output(outputs[0], ctx);
   std::vector<at::Tensor> ins;
@@ -496,7 +559,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
     ins.push_back(input(t, ctx));
   }
   auto dtype = to_dtype(outputs[0].scalar_type(), ctx);
-  auto red = to_reduce(opts.reduceOp, ctx);
+  auto red = to_reduce(opts.reduceOp, ctx, dtype, dtype);
   return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:reduce_scatter", outputs, [=, this]() mutable {
     std::vector<const void*> ptrs;
     for (auto& t : ins) ptrs.push_back(t.data_ptr());
@@ -519,7 +582,7 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
               in.scalar_type(), " and output is ", output_tensor.scalar_type(),
               "; they must match, or be bf16/fp16 input with fp32 output");
   auto out = output(output_tensor, ctx);
-  auto red = to_reduce(opts.reduceOp, ctx);
+  auto red = to_reduce(opts.reduceOp, ctx, in_dtype, out_dtype);
   return [=, this]() mutable {
     std::vector<const void*> ptrs;
     auto* base = static_cast<const char*>(in.data_ptr());
@@ -826,7 +889,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
                 out_offsets[p]);
   }
   auto out_dtype = to_dtype(out.scalar_type(), ctx);
-  auto red = to_reduce(op, ctx);
+  auto red = to_reduce(op, ctx, grad_dtype, out_dtype);
 #ifndef TIDE_WITH_CUDA
   TORCH_CHECK(device < 0, "tide param_reduce_scatter: rank ", getRank(),
               ": CUDA tensors, but tide was built without CUDA");

@@ -82,7 +82,7 @@ TEST(Dtype, KernelEveryTypeAndOpMatchesReference) {
   for (DType dt : kAllDTypes)
     for (ReduceOp op : kAllOps) {
       if (!op_defined(dt, op)) {
-        EXPECT_THROW(check_reduce("test", dt, dt, op), Error);
+        EXPECT_THROW(check_reduce("test", 0, dt, dt, op), Error);
         continue;
       }
       for (size_t n : {1, 2, 3, 5})
@@ -111,7 +111,7 @@ TEST(Dtype, KernelMixedPrecisionAndInPlace) {
       for (auto& d : data) srcs.push_back(d.data());
       std::vector<float> out(count);
       ReduceArgs args{op, 0.37};
-      check_reduce("test", in, DType::f32, op);
+      check_reduce("test", 0, in, DType::f32, op);
       reduce_kernel(out.data(), DType::f32, srcs.data(), n, in, count, args);
       ASSERT_EQ(check_reduction(out.data(), DType::f32, srcs, in, count, args), "");
     }
@@ -124,6 +124,6 @@ TEST(Dtype, KernelMixedPrecisionAndInPlace) {
   const void* alias[2] = {a.data(), b.data()};
   reduce_kernel(b.data(), DType::f32, alias, 2, DType::f32, 5000, {});
   EXPECT_EQ(check_reduction(b.data(), DType::f32, srcs, DType::f32, 5000, {}), "");
-  EXPECT_THROW(check_reduce("test", DType::f32, DType::bf16, ReduceOp::sum), Error);
-  EXPECT_THROW(check_reduce("test", DType::i32, DType::f32, ReduceOp::sum), Error);
+  EXPECT_THROW(check_reduce("test", 0, DType::f32, DType::bf16, ReduceOp::sum), Error);
+  EXPECT_THROW(check_reduce("test", 0, DType::i32, DType::f32, ReduceOp::sum), Error);
 }

@@ -9,7 +9,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -59,8 +61,38 @@ struct Outcome {
                                                       " -- ", __VA_ARGS__));            \
   } while (0)
 
+// TIDE_TEST_TIME_SCALE (default 3) stretches every harness deadline: a deadline only tells
+// a hang from a slow machine, and a machine shared with other work is slow.
+inline double time_scale() {
+  const char* v = std::getenv("TIDE_TEST_TIME_SCALE");
+  const double s = v && *v ? std::atof(v) : 3.0;
+  return s > 0 ? s : 3.0;
+}
+
+// Lines of /proc/self/maps that map a memfd labelled `label` (the host transport's segments).
+inline int memfd_mappings(const std::string& label) {
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  if (!f) return -1;
+  int n = 0;
+  char line[512];
+  const std::string needle = "/memfd:" + label + " ";
+  while (std::fgets(line, sizeof line, f)) n += std::strstr(line, needle.c_str()) != nullptr;
+  std::fclose(f);
+  return n;
+}
+
+// Entries of /dev/shm whose name starts with "tide" (the transport never makes one).
+inline std::vector<std::string> tide_shm_entries() {
+  std::vector<std::string> found;
+  for (auto& e : std::filesystem::directory_iterator("/dev/shm", std::filesystem::directory_options::skip_permission_denied))
+    if (e.path().filename().string().rfind("tide", 0) == 0) found.push_back(e.path().filename().string());
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
 inline std::vector<Outcome> run_ranks(int ws, const std::function<void(Rank&)>& fn,
-                                      std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+                                      std::chrono::milliseconds base_limit = std::chrono::seconds(30)) {
+  const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(base_limit * time_scale());
   char tmpl[] = "/tmp/tide-test-XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
   if (!dir) throw std::runtime_error("mkdtemp failed");

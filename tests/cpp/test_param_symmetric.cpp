@@ -25,16 +25,6 @@ int count_fds() {
   return n;
 }
 
-int count_shm_names(const std::string& prefix) {
-  int n = 0;
-  DIR* d = ::opendir("/dev/shm");
-  if (!d) return 0;
-  while (dirent* e = ::readdir(d))
-    if (std::string(e->d_name).rfind(prefix, 0) == 0) ++n;
-  ::closedir(d);
-  return n;
-}
-
 size_t resident_pages(void* p, size_t bytes) {
   const size_t page = 4096, n = (bytes + page - 1) / page;
   std::vector<unsigned char> v(n);
@@ -59,13 +49,13 @@ TEST_P(ParamSymmetric, PeersSeeWritesAndReleaseFrees) {
     o.timeout = std::chrono::seconds(20);
     auto comm = rk.comm(o);
     const int ws = rk.world_size, me = rk.rank;
-    const std::string prefix = std::string(kShmPrefix) + "sym" + std::to_string(::getpid()) + "-";
     const int fds0 = count_fds();
     {
       // Different sizes per rank; the last rank has none when ws > 1.
       auto size_of = [&](int r) -> size_t { return ws > 1 && r == ws - 1 ? 0 : (r + 1) * 40000 + 123; };
       auto buf = comm->allocate_symmetric(size_of(me));
-      TIDE_REQUIRE(count_shm_names(prefix) == 0, "a /dev/shm name is left after allocate_symmetric");
+      TIDE_REQUIRE(memfd_mappings(kSymmetricLabel) == (ws > 1 ? ws - 1 : 1), "symmetric mappings: ",
+                   memfd_mappings(kSymmetricLabel));
       for (int r = 0; r < ws; ++r) TIDE_REQUIRE(buf->bytes(r) == size_of(r), "bytes(", r, ")=", buf->bytes(r));
       auto mine = random_elems(DType::u8, size_of(me), mix(rk.seed, me));
       if (size_of(me)) std::memcpy(buf->local(), mine.data(), mine.size());
@@ -111,7 +101,7 @@ TEST_P(ParamSymmetric, PeersSeeWritesAndReleaseFrees) {
       comm->barrier();
     }
     TIDE_REQUIRE(count_fds() == fds0, "fds: ", fds0, " before, ", count_fds(), " after");
-    TIDE_REQUIRE(count_shm_names(prefix) == 0, "a /dev/shm name is left");
+    TIDE_REQUIRE(memfd_mappings(kSymmetricLabel) == 0, "symmetric mappings left: ", memfd_mappings(kSymmetricLabel));
   });
   EXPECT_TRUE(all_ok(out)) << describe(out);
 }

@@ -2,7 +2,9 @@
 
 Each rank imports tide, calls init_process_group(backend, ...) over a FileStore in a fresh
 temp dir, runs fn(rank, world_size, *args) and sends back its return value or traceback.
-The parent fails on any rank's exception and kills every rank that outlives `timeout`.
+The parent fails on any rank's exception and kills every rank that outlives `timeout`
+times TIDE_TEST_TIME_SCALE (default 3): the deadline only tells a hang from a slow run,
+and a machine shared with other work is slow.
 """
 from __future__ import annotations
 
@@ -12,6 +14,13 @@ import pickle
 import tempfile
 import traceback
 from datetime import timedelta
+
+TIME_SCALE = float(os.environ.get("TIDE_TEST_TIME_SCALE") or 3.0)
+
+
+def slack(seconds: float) -> float:
+    """A test's allowance for a slow machine (`seconds` on an idle one), scaled."""
+    return seconds * TIME_SCALE
 
 
 def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwargs, queue):
@@ -60,6 +69,7 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
         import queue as queue_mod
         import time
 
+        timeout = slack(timeout)
         deadline = time.monotonic() + timeout
         want = world_size - len(expect_exit)
         while len(results) + len(errors) < want and time.monotonic() < deadline:
@@ -78,6 +88,7 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
         if errors or missing:
             msg = [f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
             if missing:
-                msg.append(f"ranks {missing} did not finish within {timeout} s")
+                msg.append(f"ranks {missing} did not finish within {timeout:.0f} s "
+                           f"(TIDE_TEST_TIME_SCALE={TIME_SCALE:g})")
             raise AssertionError("\n".join(msg))
         return [pickle.loads(results[r]) if r in results else None for r in range(world_size)]

@@ -22,7 +22,8 @@ ALL_TYPES = FLOAT_TYPES + INT_TYPES + [torch.bool]
 # from a float64 reference rounded to bf16/fp16 by one unit in the last place.
 TOL = {torch.float32: (1e-5, 1e-6), torch.float64: (1e-12, 1e-12),
        torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 1e-3)}
-OPS = ["sum", "avg", "max", "min", "product", "premul_sum"]
+BITWISE = ["band", "bor", "bxor"]
+OPS = ["sum", "avg", "max", "min", "product", "premul_sum"] + BITWISE
 SIZES = [0, 1, 7, 1000, 300_001]  # 300_001 x 8 bytes spans several staging chunks
 
 
@@ -30,6 +31,9 @@ def make_input(seed: int, rank: int, numel: int, dtype: torch.dtype, op: str = "
     g = torch.Generator().manual_seed(seed * 1009 + rank)
     if dtype == torch.bool:
         return torch.randint(0, 2, (numel,), generator=g).bool()
+    if dtype in INT_TYPES and op in BITWISE:  # every bit pattern of the type
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, (numel,), generator=g, dtype=dtype)
     if dtype in INT_TYPES:
         # Small values: products and sums of up to 4 ranks stay inside every int type.
         lo, hi = (1, 3) if op == "product" else (0, 20)
@@ -44,12 +48,16 @@ def reduce_op(op: str, factor: float):
     return {
         "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT,
-        "premul_sum": dist._make_nccl_premul_sum(factor),
+        "premul_sum": dist._make_nccl_premul_sum(factor), "band": dist.ReduceOp.BAND,
+        "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR,
     }[op]
 
 
 def reference(inputs, op: str, factor: float, out_dtype: torch.dtype):
     """The reduction in float64 (int64 for integers, logic for bool), cast to out_dtype."""
+    if op in BITWISE:
+        fn = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
+        return functools.reduce(fn, inputs)
     if inputs[0].dtype == torch.bool:
         stack = torch.stack(inputs)
         return stack.any(0) if op in ("sum", "max") else stack.all(0)
@@ -77,6 +85,8 @@ def check(failures, what, got, want):
 
 
 def valid(dtype, op):
+    if op in BITWISE:
+        return dtype == torch.bool or dtype in INT_TYPES
     if dtype == torch.bool:
         return op in ("sum", "max", "min", "product")
     if dtype in INT_TYPES:
@@ -306,7 +316,60 @@ def coalesced_worker(rank, ws):
     return failures
 
 
-WORKERS = [reduction_worker, coalesced_worker, mixed_precision_worker, data_movement_worker,
+def multi_tensor_worker(rank, ws):
+    """broadcast and allreduce with several tensors per call (gloo's form), against gloo on
+    the same data and against a reference."""
+    failures = []
+    gloo = dist.new_group(backend="gloo")
+    tide_pg = dist.group.WORLD
+    for seed, (dtype, op, k) in enumerate([(torch.float32, "sum", 3), (torch.int32, "max", 2),
+                                           (torch.int64, "bxor", 4), (torch.bool, "bor", 2),
+                                           (torch.float64, "product", 2), (torch.int16, "min", 3)]):
+        tag = f"ws={ws} {dtype} {op} k={k}"
+        ins = [[make_input(seed * 10 + i, r, 513, dtype, op) for i in range(k)] for r in range(ws)]
+        flat = [t for per_rank in ins for t in per_rank]
+        want = reference(flat, op, 1.0, dtype)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = reduce_op(op, 1.0)
+        mine = [t.clone() for t in ins[rank]]
+        tide_pg.allreduce(mine, opts).wait()
+        for i in range(k):
+            check(failures, f"multi-tensor allreduce {tag} tensor {i}", mine[i], want)
+        if dtype not in (torch.bool, torch.int16):  # gloo has no reductions for these
+            theirs = [t.clone() for t in ins[rank]]
+            gloo.allreduce(theirs, opts).wait()
+            for i in range(k):
+                check(failures, f"multi-tensor allreduce vs gloo {tag} tensor {i}", mine[i], theirs[i])
+        bopts = dist.BroadcastOptions()
+        bopts.rootRank, bopts.rootTensor = ws - 1, k - 1
+        mine = [t.clone() for t in ins[rank]]
+        tide_pg.broadcast(mine, bopts).wait()
+        for i in range(k):
+            check(failures, f"multi-tensor broadcast {tag} tensor {i}", mine[i], ins[ws - 1][k - 1])
+    # The built-in backends' wording, with tide's detail.
+    errors = {}
+    backend = tide_pg._get_backend(torch.device("cpu"))  # an empty list never leaves torch's dispatcher
+    for what, call in {"empty": lambda: backend.broadcast([], dist.BroadcastOptions()),
+                       "root": lambda: tide_pg.broadcast([torch.ones(2)], _bopts(ws + 2))}.items():
+        try:
+            call()
+            errors[what] = None
+        except Exception as e:  # noqa: BLE001
+            errors[what] = str(e)
+    if not errors["empty"] or "requires non-empty tensor list" not in errors["empty"]:
+        failures.append(f"empty list: {errors['empty']}")
+    if not errors["root"] or "invalid root rank" not in errors["root"] or f"rank {rank}" not in errors["root"]:
+        failures.append(f"bad root: {errors['root']}")
+    return failures
+
+
+def _bopts(root):
+    o = dist.BroadcastOptions()
+    o.rootRank = root
+    return o
+
+
+WORKERS = [reduction_worker, multi_tensor_worker, coalesced_worker, mixed_precision_worker, data_movement_worker,
            noncontiguous_worker, async_worker]
 
 

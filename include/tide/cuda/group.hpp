@@ -100,10 +100,12 @@ class CudaGroup {
   // Symmetric scratch of at least `bytes` on every rank (collective; same size everywhere).
   CudaSymmetricBuffer& scratch(size_t bytes);
 
-  uint32_t next(FlagId f) { return epoch_[f].fetch_add(1) + 1; }
-  uint32_t current(FlagId f) const { return epoch_[f].load(); }
-  void post(cudaStream_t stream, FlagId f, uint32_t value);
-  void wait(cudaStream_t stream, int peer, FlagId f, uint32_t value);
+  // Epochs count in 64 bits; a flag word holds the low 32 and compares cyclically (as
+  // cuStreamWaitValue32's GEQ does), so nothing breaks at 2^32 collectives.
+  uint64_t next(FlagId f) { return epoch_[f].fetch_add(1) + 1; }
+  uint64_t current(FlagId f) const { return epoch_[f].load(); }
+  void post(cudaStream_t stream, FlagId f, uint64_t value);
+  void wait(cudaStream_t stream, int peer, FlagId f, uint64_t value);
 
   // Starts a collective: checks the group is usable, makes `work` streams wait for what the
   // caller enqueued on `caller` before the call.
@@ -154,7 +156,7 @@ class CudaGroup {
   std::shared_ptr<CudaSymmetricBuffer> staging_, scratch_;
   int num_slots_ = 2, rs_ctas_ = 8;
   size_t slot_bytes_ = 0, piece_bytes_ = 0;
-  std::atomic<uint32_t> epoch_[kNumFlags] = {};  // read by abort() from another thread
+  std::atomic<uint64_t> epoch_[kNumFlags] = {};  // read by abort() from another thread
   uint64_t alloc_seq_ = 0, barrier_seq_ = 0;
   const char* collective_ = "";
   std::chrono::steady_clock::time_point started_{};

@@ -264,7 +264,8 @@ int CudaGroup::peer_failed() const {
   return -1;
 }
 
-void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
+void CudaGroup::post(cudaStream_t stream, FlagId f, uint64_t counter) {
+  const uint32_t value = static_cast<uint32_t>(counter);
   if (broken_) throw Error(detail::concat("tide: cuda: rank ", rank_, ": ", collective_, ": ", broken_why()));
   if (mode_ == SyncMode::device) {
     for (int p = 0; p < ws_; ++p) {
@@ -280,7 +281,8 @@ void CudaGroup::post(cudaStream_t stream, FlagId f, uint32_t value) {
     if (p != rank_) inbox(p, f, rank_).store(value, std::memory_order_release);
 }
 
-void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint32_t value) {
+void CudaGroup::wait(cudaStream_t stream, int peer, FlagId f, uint64_t counter) {
+  const uint32_t value = static_cast<uint32_t>(counter);
   std::atomic<uint32_t>& word = inbox(rank_, f, peer);
   if (mode_ == SyncMode::device) {
     // No lock against abort(): enqueueing may block while the stream's queue is full, and
@@ -351,7 +353,7 @@ void CudaGroup::release_own_waits() {
   // Our waits are for "inbox >= our epoch" (cyclic): half the counter space ahead of the
   // epoch satisfies every wait issued so far, whatever a late peer post wrote meanwhile.
   for (uint32_t f = 0; f < kNumFlags; ++f) {
-    const uint32_t ahead = epoch_[f].load() + (1u << 30);
+    const uint32_t ahead = static_cast<uint32_t>(epoch_[f].load()) + (1u << 30);
     for (int p = 0; p < ws_; ++p)
       if (p != rank_) inbox(rank_, static_cast<FlagId>(f), p).store(ahead, std::memory_order_release);
   }

@@ -68,7 +68,7 @@ void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream
     }
   }
 
-  const uint32_t ready = g.next(CudaGroup::kAgReady);
+  const uint64_t ready = g.next(CudaGroup::kAgReady);
   g.post(s, CudaGroup::kAgReady, ready);
   for (int r = 0; r < ws; ++r)
     if (r != me) g.wait(s, r, CudaGroup::kAgReady, ready);
@@ -112,7 +112,7 @@ void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream
     batch.flush();
   }
 
-  const uint32_t done = g.next(CudaGroup::kAgDone);
+  const uint64_t done = g.next(CudaGroup::kAgDone);
   g.post(s, CudaGroup::kAgDone, done);
   for (int r = 0; r < ws; ++r)
     if (r != me) g.wait(s, r, CudaGroup::kAgDone, done);

@@ -59,7 +59,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   report.slot_bytes = g.slot_bytes();
   report.num_slots = pipe.num_slots;
 
-  const uint32_t first = g.current(CudaGroup::kRsReady) + 1;  // step id of window 0
+  const uint64_t first = g.current(CudaGroup::kRsReady) + 1;  // step id of window 0
   std::vector<int64_t> reuse_off(n_slots, -1);
   if (reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
     std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
@@ -68,7 +68,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
     plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
                                                        report.num_slots, align);
     for (int i = 0; i < report.num_slots; ++i) {
-      const int idx = static_cast<int>((first + static_cast<uint32_t>(i)) % static_cast<uint32_t>(n_slots));
+      const int idx = static_cast<int>((first + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots));
       if (homes.slots[i].reused) {
         reuse_off[idx] = homes.slots[i].offset;
         ++report.reused_slots;
@@ -99,16 +99,16 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   };
   std::vector<Mine> mine;
   AccumulateSources srcs{};
-  uint32_t t = 0;
+  uint64_t t = 0;
   for (const plan::RsChunk& chunk : pipe.chunks) {
     t = g.next(CudaGroup::kRsReady);
     (void)g.next(CudaGroup::kRsDone);
-    const int idx = static_cast<int>(t % static_cast<uint32_t>(n_slots));
+    const int idx = static_cast<int>(t % static_cast<uint64_t>(n_slots));
     // The slot was last used by step t - n_slots: every reader of it must be done. Peers
-    // say so through their rs_done (the cyclic compare also lets the first steps through,
-    // the counters starting at 0); our own compute stream through the slot's event.
-    for (int r = 0; r < ws; ++r)
-      if (r != me) g.wait(cs, r, CudaGroup::kRsDone, t - static_cast<uint32_t>(n_slots));
+    // say so through their rs_done; our own compute stream through the slot's event.
+    if (t > static_cast<uint64_t>(n_slots))
+      for (int r = 0; r < ws; ++r)
+        if (r != me) g.wait(cs, r, CudaGroup::kRsDone, t - static_cast<uint64_t>(n_slots));
     TIDE_CUDA_CHECK(cudaStreamWaitEvent(cs, g.slot_free_event(idx), 0));
     std::byte* my_slot = slot_of(me, idx);
     // Phase 1: my slices for every destination into piece d of my slot.

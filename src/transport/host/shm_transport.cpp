@@ -1,6 +1,9 @@
-// POSIX shared-memory transport. Each rank owns one segment:
+// Shared-memory transport. Each rank owns one segment:
 //   [header | flags (one cache line each) | exchange records x2 | staging slots | channels]
-// Every rank maps every segment; loads and stores go straight to the peer's memory. Waits
+// Every rank maps every segment; loads and stores go straight to the peer's memory. A
+// segment is a memfd that never has a name: its fd travels to the peers over the FdChannel
+// (SCM_RIGHTS), so nothing is left on any file system whenever a process dies, and the size
+// of /dev/shm does not matter. Waits
 // spin briefly, then sleep in FUTEX_WAIT on the shared word (not FUTEX_PRIVATE: the waker is
 // another process) with a short timeout, re-checking the deadline and peer liveness.
 #include <fcntl.h>
@@ -21,6 +24,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <iomanip>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -28,6 +32,7 @@
 #include "../../core/convert.hpp"
 #include "../../core/env.hpp"
 #include "tide/error.hpp"
+#include "tide/fd_channel.hpp"
 #include "tide/host_transport.hpp"
 #include "tide/reduce_kernels.hpp"
 #include "tide/thread_pool.hpp"
@@ -83,11 +88,15 @@ bool process_dead(pid_t pid) {
   return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
 }
 
+// Sizes for people: exact where round (16 MiB), else one decimal of the largest unit.
 std::string mib(size_t bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (u < 5 && bytes >= (size_t{1024} << (10 * u))) ++u;
+  const size_t unit = size_t{1} << (10 * u);
   std::ostringstream os;
-  if (bytes % (1 << 20) == 0) os << (bytes >> 20) << " MiB";
-  else if (bytes % (1 << 10) == 0) os << (bytes >> 10) << " KiB";
-  else os << bytes << " B";
+  if (bytes % unit == 0) os << bytes / unit << ' ' << units[u];
+  else os << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / static_cast<double>(unit) << ' ' << units[u];
   return os.str();
 }
 
@@ -111,27 +120,120 @@ struct Layout {
   }
 };
 
+// What each rank publishes in the store at creation; one field per line (the group name
+// inside the fd address may hold spaces).
 struct Rendezvous {
-  std::string name;
   int pid = 0;
   size_t staging = 0, slot = 0;
   int world_size = 0;
+  std::string host;        // host_identity(): ranks must share it
+  std::string fd_address;  // FdChannel::address()
 };
 
 std::vector<uint8_t> encode(const Rendezvous& r) {
-  std::string s = detail::concat(r.name, ' ', r.pid, ' ', r.staging, ' ', r.slot, ' ', r.world_size);
+  std::string s = detail::concat(r.pid, '\n', r.staging, '\n', r.slot, '\n', r.world_size, '\n', r.host, '\n',
+                                 r.fd_address);
   return {s.begin(), s.end()};
 }
 
 Rendezvous decode(const std::vector<uint8_t>& v) {
   std::istringstream is(std::string(v.begin(), v.end()));
   Rendezvous r;
-  is >> r.name >> r.pid >> r.staging >> r.slot >> r.world_size;
+  std::string line;
+  std::getline(is, line), r.pid = std::stoi(line);
+  std::getline(is, line), r.staging = std::stoull(line);
+  std::getline(is, line), r.slot = std::stoull(line);
+  std::getline(is, line), r.world_size = std::stoi(line);
+  std::getline(is, r.host);
+  std::getline(is, r.fd_address);
   return r;
 }
 
-// One mapping per rank; the names are gone once allocate_symmetric returns, so the memory
-// lives exactly as long as some process maps it. Unmapping is local: peers may have unmapped
+// Which host this process runs on: TIDE_HOST_ID when set (as NCCL_HOSTID), else the
+// hostname and the kernel's boot id (containers of one machine share the boot id; two
+// machines never do, even under one hostname).
+std::string host_identity() {
+  if (std::string id = env::get_string("TIDE_HOST_ID", ""); !id.empty()) return id;
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
+    char buf[64] = {};
+    if (std::fgets(buf, sizeof buf, f)) boot = buf;
+    std::fclose(f);
+    boot.erase(boot.find_last_not_of(" \n") + 1);
+  }
+  return detail::concat(name, '/', boot);
+}
+
+// Bytes of memory a new shared segment can take: MemAvailable, or less under a cgroup
+// (v2) memory limit. 0 when unknown.
+size_t available_memory() {
+  size_t avail = 0;
+  if (FILE* f = std::fopen("/proc/meminfo", "re")) {
+    char line[256];
+    unsigned long long kb = 0;
+    while (std::fgets(line, sizeof line, f))
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail = static_cast<size_t>(kb) << 10;
+    std::fclose(f);
+  }
+  auto read_u64 = [](const char* path, size_t* out) {
+    FILE* f = std::fopen(path, "re");
+    if (!f) return false;
+    unsigned long long v = 0;
+    const bool ok = std::fscanf(f, "%llu", &v) == 1;  // "max" reads as no number: no limit
+    std::fclose(f);
+    *out = static_cast<size_t>(v);
+    return ok;
+  };
+  size_t limit = 0, used = 0;
+  if (read_u64("/sys/fs/cgroup/memory.max", &limit) && read_u64("/sys/fs/cgroup/memory.current", &used))
+    avail = std::min(avail, limit > used ? limit - used : 0);
+  return avail;
+}
+
+// A new anonymous shared segment of `bytes`, its pages reserved now: a machine short of
+// memory fails here, naming the sizes, instead of with SIGBUS at the first touch.
+int create_segment(const char* label, size_t bytes, const std::string& who) {
+  const size_t avail = available_memory();
+  TIDE_CHECK(avail == 0 || bytes <= avail, who, " needs ", mib(bytes), " of shared memory, but only ", mib(avail),
+             " is available (MemAvailable, or the cgroup's memory.max); lower TIDE_SHM_STAGING_BYTES or free memory");
+  const int fd = ::memfd_create(label, MFD_CLOEXEC);
+  TIDE_CHECK(fd >= 0, who, ": memfd_create failed: ", std::strerror(errno));
+  int err = 0;
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) err = errno;
+  else err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err) {
+    ::close(fd);
+    throw Error(detail::concat(who, " cannot reserve ", mib(bytes), " of shared memory (", mib(avail),
+                               " available): ", std::strerror(err)));
+  }
+  return fd;
+}
+
+// Closes an fd when it goes out of scope.
+struct FdGuard {
+  int fd;
+  ~FdGuard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Maps the whole of a segment fd (of `bytes`, checked); the caller keeps the fd.
+std::byte* map_segment(int fd, size_t bytes, const std::string& what) {
+  struct stat st {};
+  int err = 0;
+  if (::fstat(fd, &st) != 0) err = errno;
+  else if (static_cast<size_t>(st.st_size) != bytes) err = EINVAL;
+  void* p = err ? MAP_FAILED : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (!err && p == MAP_FAILED) err = errno;
+  TIDE_CHECK(p != MAP_FAILED, "tide host transport: cannot map ", what, " (", mib(bytes), ", the fd has ",
+             static_cast<size_t>(st.st_size), " bytes): ", std::strerror(err));
+  return static_cast<std::byte*>(p);
+}
+
+// One mapping per rank; the memory has no name, so it lives exactly as long as some
+// process maps it. Unmapping is local: peers may have unmapped
 // theirs already (or died), which does not affect this rank's mappings.
 class ShmSymmetric final : public SymmetricBuffer {
  public:
@@ -185,7 +287,8 @@ class ShmSymmetric final : public SymmetricBuffer {
 class ShmTransport final : public Transport {
  public:
   ShmTransport(Store& store, const std::string& ns, int rank, int ws, const CommOptions& opt)
-      : rank_(rank), ws_(ws), timeout_(opt.timeout), layout_(ws, 0, 1) {
+      : rank_(rank), ws_(ws), timeout_(opt.timeout), layout_(ws, 0, 1), counter_start_(opt.counter_start),
+        exchanges_(opt.counter_start) {
     size_t staging = opt.staging_bytes ? opt.staging_bytes
                                        : env::get_bytes("TIDE_SHM_STAGING_BYTES", kDefaultStagingBytes);
     size_t slot = env::get_bytes("TIDE_SHM_SLOT_BYTES", std::min<size_t>(staging / 2, size_t{2} << 20));
@@ -207,7 +310,6 @@ class ShmTransport final : public Transport {
       rendezvous(store, ns, staging);
       probe_cma();
     } catch (const std::exception& e) {
-      if (!own_name_.empty()) ::shm_unlink(own_name_.c_str());
       unmap_all();
       // Tell ranks still waiting in the store, so they fail now rather than at the timeout.
       try {
@@ -308,51 +410,29 @@ class ShmTransport final : public Transport {
   }
 
   std::shared_ptr<SymmetricBuffer> allocate_symmetric(size_t bytes) override {
-    // My segment (none for 0 bytes), then names and sizes through the control exchange.
-    struct Record {
-      char name[48];
-      uint64_t bytes;
-    };
-    static_assert(sizeof(Record) <= 64);
+    // My segment (none for 0 bytes); sizes through the control exchange, fds over the
+    // FdChannel under this allocation's own tag.
+    const uint64_t tag = ++symmetric_allocations_;
     std::vector<std::byte*> base(ws_, nullptr);
     std::vector<size_t> sizes(ws_, 0);
-    std::string own;
-    auto cleanup = [&] {
-      if (!own.empty()) ::shm_unlink(own.c_str());
+    try {
+      const std::string who = detail::concat("tide allocate_symmetric: rank ", rank_);
+      FdGuard own{bytes > 0 ? create_segment(kSymmetricLabel, bytes, who) : -1};
+      uint64_t mine = bytes;
+      exchange(&mine, sizeof mine, sizes.data());
+      if (own.fd >= 0) {
+        base[rank_] = map_segment(own.fd, bytes, "this rank's symmetric segment");
+        for (int r = 0; r < ws_; ++r)
+          if (r != rank_) fd_channel_->send(r, tag, own.fd);
+      }
+      for (int r = 0; r < ws_; ++r) {
+        if (r == rank_ || sizes[r] == 0) continue;
+        FdGuard peer{fd_channel_->receive(r, tag, [&] { check_alive(r); })};
+        base[r] = map_segment(peer.fd, sizes[r], detail::concat("rank ", r, "'s symmetric segment"));
+      }
+    } catch (...) {
       for (int r = 0; r < ws_; ++r)
         if (base[r]) ::munmap(base[r], sizes[r]);
-    };
-    try {
-      Record mine{};
-      mine.bytes = bytes;
-      if (bytes > 0) {
-        std::random_device rd;
-        uint64_t rnd = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-        std::snprintf(mine.name, sizeof mine.name, "/%ssym%d-%016llx", kShmPrefix, static_cast<int>(::getpid()),
-                      static_cast<unsigned long long>(rnd));
-        int fd = ::shm_open(mine.name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-        TIDE_CHECK(fd >= 0, "tide allocate_symmetric: rank ", rank_, ": shm_open(", mine.name, ") of ", bytes,
-                   " bytes failed: ", std::strerror(errno));
-        own = mine.name;
-        sizes[rank_] = bytes;
-        base[rank_] = map_symmetric(fd, mine.name, bytes, true, rank_);
-      }
-      std::vector<Record> all(ws_);
-      exchange(&mine, sizeof mine, all.data());
-      for (int r = 0; r < ws_; ++r) {
-        if (r == rank_ || all[r].bytes == 0) continue;
-        all[r].name[sizeof all[r].name - 1] = '\0';
-        int fd = ::shm_open(all[r].name, O_RDWR | O_CLOEXEC, 0);
-        TIDE_CHECK(fd >= 0, "tide allocate_symmetric: rank ", rank_, " cannot open rank ", r, "'s segment ",
-                   all[r].name, " of ", all[r].bytes, " bytes: ", std::strerror(errno));
-        sizes[r] = all[r].bytes;
-        base[r] = map_symmetric(fd, all[r].name, all[r].bytes, false, r);
-      }
-      barrier();  // everyone mapped everything: the names can go
-      if (!own.empty()) ::shm_unlink(own.c_str());
-      own.clear();
-    } catch (...) {
-      cleanup();
       throw;
     }
     return std::make_shared<ShmSymmetric>(rank_, std::move(base), std::move(sizes));
@@ -384,14 +464,17 @@ class ShmTransport final : public Transport {
                                "'s buffer with process_vm_readv: ", std::strerror(err.load())));
   }
 
-  void post(Flag f, uint32_t value) override {
+  uint64_t counter_start() const override { return counter_start_; }
+
+  void post(Flag f, uint64_t value) override {
     FlagLine& l = flag(rank_, f);
-    l.value.store(value, std::memory_order_seq_cst);
+    l.value.store(static_cast<uint32_t>(value), std::memory_order_seq_cst);
     if (l.waiters.load(std::memory_order_seq_cst) != 0) futex(&l.value, FUTEX_WAKE, INT_MAX, nullptr);
   }
 
-  void wait(int peer, Flag f, uint32_t value) override {
+  void wait(int peer, Flag f, uint64_t counter) override {
     FlagLine& l = flag(peer, f);
+    const uint32_t value = static_cast<uint32_t>(counter);
     if (reached(l.value.load(std::memory_order_acquire), value)) return;
     const auto spin_until = Clock::now() + kSpin;
     for (int i = 1;; ++i) {
@@ -417,7 +500,7 @@ class ShmTransport final : public Transport {
                layout_.record_bytes);
     // Two records alternate: a peer reads my record k only before it posts k+1, and I pass
     // exchange k+1 only after every peer posted it, so record k is free again at k+2.
-    const uint32_t k = ++exchanges_;
+    const uint64_t k = ++exchanges_;
     auto record = [&](int r) { return base_[r] + layout_.records_off + (k & 1) * layout_.record_bytes; };
     if (bytes) std::memcpy(record(rank_), mine, bytes);
     post(Flag::control(), k);
@@ -471,29 +554,25 @@ class ShmTransport final : public Transport {
   }
 
   void rendezvous(Store& store, const std::string& ns, size_t staging) {
-    // Unique name: pid plus 64 random bits, so a stale or concurrent name never collides.
-    std::random_device rd;
-    uint64_t rnd = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-    char name[96];
-    std::snprintf(name, sizeof name, "/%s%d-%016llx", kShmPrefix, static_cast<int>(::getpid()),
-                  static_cast<unsigned long long>(rnd));
-    int fd = ::shm_open(name, O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    TIDE_CHECK(fd >= 0, "tide host transport: shm_open(", name, ") failed: ", std::strerror(errno));
-    own_name_ = name;
-    base_[rank_] = map(fd, name, true);
-
+    const std::string who = detail::concat("tide host transport: rank ", rank_, " of group '", ns, "'");
+    fd_channel_ = std::make_unique<FdChannel>(ns + "/tide/host", rank_, ws_, timeout_);
+    FdGuard own{create_segment(kSegmentLabel, layout_.total, who)};
+    base_[rank_] = map_segment(own.fd, layout_.total, "this rank's segment");
     Header* h = header(rank_);
     h->magic = kMagic;
     h->rank = rank_;
     h->pid = static_cast<int32_t>(::getpid());
     h->self_addr = reinterpret_cast<uint64_t>(base_[rank_]);
+    for (uint32_t i = 0; i < Flag::kFixed + 2 * static_cast<uint32_t>(ws_); ++i)  // before any peer sees them
+      flag(rank_, Flag{i}).value.store(static_cast<uint32_t>(counter_start_), std::memory_order_relaxed);
 
     const std::string prefix = ns + "/tide/host/";
-    Rendezvous mine{name, h->pid, staging, layout_.slot_bytes, ws_};
+    const std::string failed = ns + "/tide/host/failed";
+    Rendezvous mine{h->pid, staging, layout_.slot_bytes, ws_, host_identity(), fd_channel_->address()};
     store.set(prefix + std::to_string(rank_), encode(mine));
-    std::vector<Rendezvous> all(ws_);
-    for (int r = 0; r < ws_; ++r)
-      all[r] = r == rank_ ? mine : decode(wait_key(store, ns, prefix + std::to_string(r)));
+    std::vector<Rendezvous> all;
+    for (auto& v : await_ranks(store, prefix, ws_, failed, timeout_, who)) all.push_back(decode(v));
+    check_one_host(all);
     for (int r = 0; r < ws_; ++r) {
       if (all[r].staging == staging && all[r].slot == layout_.slot_bytes && all[r].world_size == ws_) continue;
       std::ostringstream os;
@@ -504,20 +583,63 @@ class ShmTransport final : public Transport {
            << " world_size=" << all[q].world_size;
       throw Error(os.str());
     }
+    std::vector<std::string> addresses;
+    for (auto& r : all) addresses.push_back(r.fd_address);
+    fd_channel_->connect(std::move(addresses));
+    // My segment to every peer, then every peer's into my address space. A peer that dies
+    // or fails meanwhile ends the wait (its pid, the failure key); so does the timeout.
+    const auto deadline = Clock::now() + timeout_;
+    auto another_failed = [&] {  // the first failure explains the rest: report it
+      if (!store.check(failed)) return;
+      const std::vector<uint8_t> why = store.get(failed, timeout_);
+      throw TimeoutError(detail::concat(who, " gives up: another rank failed: ", std::string(why.begin(), why.end())));
+    };
+    auto between_polls = [&](int peer) {
+      return [&, peer] {
+        if (process_dead(all[peer].pid))
+          throw TimeoutError(detail::concat(who, " was waiting for rank ", peer, "'s segment, but rank ", peer,
+                                            " (pid ", all[peer].pid, ") died"));
+        another_failed();
+        if (Clock::now() >= deadline)
+          throw TimeoutError(detail::concat(who, " timed out after ", timeout_.count(), " ms waiting for rank ",
+                                            peer, "'s segment"));
+      };
+    };
     for (int r = 0; r < ws_; ++r) {
       if (r == rank_) continue;
-      int pfd = ::shm_open(all[r].name.c_str(), O_RDWR | O_CLOEXEC, 0);
-      TIDE_CHECK(pfd >= 0, "tide host transport: rank ", rank_, " cannot open rank ", r, "'s segment ",
-                 all[r].name, ": ", std::strerror(errno));
-      base_[r] = map(pfd, all[r].name.c_str(), false);
-      TIDE_CHECK(header(r)->magic == kMagic && header(r)->rank == r, "tide host transport: segment ",
-                 all[r].name, " does not belong to rank ", r);
+      try {
+        fd_channel_->send(r, 0, own.fd);
+      } catch (const TimeoutError&) {
+        another_failed();
+        throw;
+      }
     }
-    // Everyone has mapped everything: the names can go, so nothing outlives the processes.
-    if (store.add(ns + "/tide/host/mapped", 1) == ws_) store.set(ns + "/tide/host/all_mapped", {1});
-    wait_key(store, ns, ns + "/tide/host/all_mapped");
-    ::shm_unlink(own_name_.c_str());
-    own_name_.clear();
+    for (int r = 0; r < ws_; ++r) {
+      if (r == rank_) continue;
+      FdGuard peer{fd_channel_->receive(r, 0, between_polls(r))};
+      base_[r] = map_segment(peer.fd, layout_.total, detail::concat("rank ", r, "'s segment"));
+      TIDE_CHECK(header(r)->magic == kMagic && header(r)->rank == r, who, ": the segment received from rank ", r,
+                 " is not rank ", r, "'s");
+    }
+  }
+
+  // A group whose ranks are on several hosts cannot share memory: say so, with the hosts.
+  void check_one_host(const std::vector<Rendezvous>& all) {
+    if (std::all_of(all.begin(), all.end(), [&](const Rendezvous& r) { return r.host == all[0].host; })) return;
+    std::vector<std::string> hosts;
+    for (auto& r : all)
+      if (std::find(hosts.begin(), hosts.end(), r.host) == hosts.end()) hosts.push_back(r.host);
+    std::ostringstream os;
+    os << "tide host transport: rank " << rank_ << ": the group's " << ws_ << " ranks are on " << hosts.size()
+       << " hosts (";
+    for (size_t i = 0; i < hosts.size(); ++i) {
+      os << (i ? "; " : "") << "ranks";
+      for (int r = 0; r < ws_; ++r)
+        if (all[r].host == hosts[i]) os << ' ' << r;
+      os << " on '" << hosts[i] << "'";
+    }
+    os << "), but the host transport needs all of them on one host (host id: hostname/boot id, or TIDE_HOST_ID)";
+    throw Error(os.str());
   }
 
   // Linux CMA lets all_gather read peers' inputs directly (one copy instead of two). It
@@ -549,69 +671,6 @@ class ShmTransport final : public Transport {
     else if (cma_) cma_why_ = "process_vm_readv works for every peer";
   }
 
-  // store.get in short slices, failing early if another rank published a rendezvous failure.
-  std::vector<uint8_t> wait_key(Store& store, const std::string& ns, const std::string& key) {
-    const auto deadline = Clock::now() + timeout_;
-    const auto slice = std::min<std::chrono::milliseconds>(timeout_, std::chrono::milliseconds(100));
-    for (;;) {
-      try {
-        return store.get(key, slice);
-      } catch (const TimeoutError&) {
-        if (Clock::now() >= deadline)
-          throw TimeoutError(detail::concat("tide host transport: rank ", rank_, " timed out after ",
-                                            timeout_.count(), " ms waiting for store key '", key, "'"));
-      }
-      std::vector<uint8_t> why;
-      try {
-        why = store.get(ns + "/tide/host/failed", std::chrono::milliseconds(0));
-      } catch (const TimeoutError&) {
-        continue;
-      }
-      throw Error(detail::concat("tide host transport: rank ", rank_, " gives up, another rank failed to join: ",
-                                 std::string(why.begin(), why.end())));
-    }
-  }
-
-  std::byte* map(int fd, const char* name, bool create) {
-    const size_t size = layout_.total;
-    int err = 0;
-    if (create) {
-      // Reserve the pages now: a full /dev/shm fails here rather than as SIGBUS later.
-      if (::ftruncate(fd, static_cast<off_t>(size)) != 0) err = errno;
-      else err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
-    } else {
-      struct stat st {};
-      if (::fstat(fd, &st) != 0) err = errno;
-      else if (static_cast<size_t>(st.st_size) != size) err = EINVAL;
-    }
-    void* p = err ? MAP_FAILED : ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (!err && p == MAP_FAILED) err = errno;
-    ::close(fd);
-    TIDE_CHECK(p != MAP_FAILED, "tide host transport: cannot map ", mib(size), " of shared memory (", name,
-               "): ", std::strerror(err), create ? " (is /dev/shm large enough? see TIDE_SHM_STAGING_BYTES)" : "");
-    return static_cast<std::byte*>(p);
-  }
-
-  // Maps (and, creating, reserves) a symmetric segment of `bytes`; closes fd.
-  std::byte* map_symmetric(int fd, const char* name, size_t bytes, bool create, int owner) {
-    int err = 0;
-    if (create) {
-      if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) err = errno;
-      else err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-    } else {
-      struct stat st {};
-      if (::fstat(fd, &st) != 0) err = errno;
-      else if (static_cast<size_t>(st.st_size) != bytes) err = EINVAL;
-    }
-    void* p = err ? MAP_FAILED : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (!err && p == MAP_FAILED) err = errno;
-    ::close(fd);
-    TIDE_CHECK(p != MAP_FAILED, "tide allocate_symmetric: rank ", rank_, " cannot map rank ", owner, "'s ",
-               mib(bytes), " of shared memory (", name, "): ", std::strerror(err),
-               create ? " (is /dev/shm large enough?)" : "");
-    return static_cast<std::byte*>(p);
-  }
-
   void unmap_all() {
     for (auto& b : base_) {
       if (b) ::munmap(b, layout_.total);
@@ -624,8 +683,10 @@ class ShmTransport final : public Transport {
   Layout layout_;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<std::byte*> base_;
-  std::string own_name_;
-  uint32_t exchanges_ = 0;
+  std::unique_ptr<FdChannel> fd_channel_;
+  uint64_t symmetric_allocations_ = 0;  // FdChannel tags: 0 is the segment at creation
+  uint64_t counter_start_;
+  uint64_t exchanges_;
   bool cma_ = false;
   std::string cma_why_;
   const char* collective_ = "init";
