@@ -389,6 +389,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& output_tensor,
                                                                  at::Tensor& input_tensor,
                                                                  const c10d::AllgatherOptions& opts) {
+  if (auto staged = run_staged(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return staged;
   if (is_cuda({input_tensor}))
     return cuda_delegate("_allgather_base")->_allgather_base(output_tensor, input_tensor, opts);
   OpContext ctx{"all_gather_into_tensor", getRank()};
@@ -595,6 +596,7 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
+  if (auto staged = run_staged(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return staged;
   if (is_cuda({output_tensor}))
     return cuda_delegate("_reduce_scatter_base")->_reduce_scatter_base(output_tensor, input_tensor, opts);
   auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
@@ -802,7 +804,7 @@ std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size
   return *result;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
+ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
     std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
   OpContext ctx{"param_all_gather", getRank()};
@@ -842,11 +844,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
     comm_->param_all_gather(args);
     return {};
   };
-  if (device >= 0) return call();
-  return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages, [call]() { call(); });
+  return [this, call, device, storages]() -> c10::intrusive_ptr<c10d::Work> {
+    if (device >= 0) return call();
+    return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages, [call]() { call(); });
+  };
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
+    const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
+    std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
+  return make_param_all_gather(layout, std::move(shards), std::move(shard_offsets), shard_dtype,
+                               std::move(storages))();
+}
+
+void ProcessGroupTide::stage_param_all_gather(const tide::plan::GroupLayout& layout,
+                                              std::shared_ptr<tide::SymmetricBuffer> shards,
+                                              std::vector<size_t> shard_offsets, at::ScalarType shard_dtype,
+                                              std::vector<at::Tensor> storages) {
+  Launch launch = make_param_all_gather(layout, std::move(shards), std::move(shard_offsets), shard_dtype,
+                                        std::move(storages));
+  std::lock_guard<std::mutex> lock(staged_mutex_);
+  staged_[std::this_thread::get_id()] = {c10d::OpType::_ALLGATHER_BASE, std::move(launch)};
+}
+
+ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads, at::Tensor out,
     std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
     std::shared_ptr<tide::SymmetricBuffer> reuse,
@@ -917,8 +938,48 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
     last_staging_ = comm_->param_reduce_scatter(args);
     return {};
   };
-  if (device >= 0) return call();
-  return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out}, [call]() { call(); });
+  return [this, call, device, out]() -> c10::intrusive_ptr<c10d::Work> {
+    if (device >= 0) return call();
+    return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out}, [call]() { call(); });
+  };
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
+    const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads, at::Tensor out,
+    std::vector<int64_t> out_offsets, const c10d::ReduceOp& op, std::shared_ptr<tide::SymmetricBuffer> reuse,
+    std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
+  return make_param_reduce_scatter(layout, std::move(grads), std::move(out), std::move(out_offsets), op,
+                                   std::move(reuse), std::move(reuse_regions))();
+}
+
+void ProcessGroupTide::stage_param_reduce_scatter(const tide::plan::GroupLayout& layout,
+                                                  std::vector<at::Tensor> grads, at::Tensor out,
+                                                  std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
+                                                  std::shared_ptr<tide::SymmetricBuffer> reuse,
+                                                  std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
+  Launch launch = make_param_reduce_scatter(layout, std::move(grads), std::move(out), std::move(out_offsets), op,
+                                            std::move(reuse), std::move(reuse_regions));
+  std::lock_guard<std::mutex> lock(staged_mutex_);
+  staged_[std::this_thread::get_id()] = {c10d::OpType::_REDUCE_SCATTER_BASE, std::move(launch)};
+}
+
+void ProcessGroupTide::unstage() {
+  std::lock_guard<std::mutex> lock(staged_mutex_);
+  staged_.erase(std::this_thread::get_id());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_staged(c10d::OpType op, const at::Tensor& output,
+                                                            const at::Tensor& input) {
+  if (output.numel() != 0 || input.numel() != 0) return {};
+  Launch launch;
+  {
+    std::lock_guard<std::mutex> lock(staged_mutex_);
+    auto it = staged_.find(std::this_thread::get_id());
+    if (it == staged_.end() || it->second.first != op) return {};
+    launch = std::move(it->second.second);
+    staged_.erase(it);
+  }
+  return launch();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions&) {

@@ -50,7 +50,8 @@ def batch(step, rank):
 
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
                  reshard=True, profile=False, hsdp=False, divide_factor=None,
-                 explicit_unshard=False, slot_reuse=False, debug_log=False, late_install=False):
+                 explicit_unshard=False, slot_reuse=False, debug_log=False, late_install=False,
+                 comm_debug=False):
     """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params
     (with profile=True, the profiler's event names of the last step, and with debug_log=True
     also its events in order and what TIDE_DEBUG printed during it)."""
@@ -90,6 +91,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     early_state = model.state_dict()  # taken before training: must follow the parameters
     losses, names, events, log = [], set(), [], io.StringIO()
+    comm_counts, c10d_events = None, {}
     for step in range(STEPS):
         micro = 2 if accumulate else 1
         for m in range(micro):
@@ -97,9 +99,16 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
                 model.set_requires_gradient_sync(m == micro - 1)
             last = step == STEPS - 1
             prof = torch.profiler.profile() if profile and last else None
+            comm = None
+            if comm_debug and last:
+                from torch.distributed.tensor.debug import CommDebugMode
+
+                comm = CommDebugMode()
             with contextlib.ExitStack() as stack:
                 if prof:
                     stack.enter_context(prof)
+                if comm:
+                    stack.enter_context(comm)
                 if debug_log and last:
                     stack.enter_context(contextlib.redirect_stdout(log))
                 if explicit_unshard:
@@ -109,6 +118,11 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
             if prof:
                 names |= {e.name for e in prof.events()}
                 events += [e.name for e in prof.events()]
+                for e in prof.events():
+                    if e.name.startswith("c10d::"):
+                        c10d_events[e.name] = c10d_events.get(e.name, 0) + 1
+            if comm:
+                comm_counts = {str(k): v for k, v in comm.get_comm_counts().items()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -121,6 +135,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
         staging, "host_allgather_algorithm") else None
     return dict(losses=losses, params=params, names=names, stats=dict(tide.fsdp.stats),
                 events=events if debug_log else None, log=log.getvalue(),
+                comm_counts=comm_counts, c10d_events=c10d_events,
                 stale_state_dict=stale, algorithm=algorithm,
                 staging=(report.slot_bytes * report.num_slots, report.reused_slots) if report else None)
 
@@ -174,7 +189,24 @@ def test_fp32_matches_stock_fsdp2_on_gloo():
     """At 2 ranks a + b is the same in any order, so tide equals gloo bit for bit."""
     zc = run_ranks(train_worker, 2, True)
     gloo = run_ranks(train_worker, 2, False, backend="gloo")
+    assert_zero_copy_ran(zc[0])
     assert_params_equal(zc[0]["params"], gloo[0]["params"], "tide zero-copy vs stock on gloo")
+
+
+def test_collectives_are_visible_to_comm_debug_mode_and_the_profiler():
+    """FSDP2's own tests count collectives with CommDebugMode; users profile. A zero-copy
+    step shows the same c10d collectives, as many, as stock FSDP2 on gloo."""
+    zc = run_ranks(train_worker, 2, True, kwargs=dict(comm_debug=True, profile=True))
+    gloo = run_ranks(train_worker, 2, False, backend="gloo", kwargs=dict(comm_debug=True, profile=True))
+    assert_zero_copy_ran(zc[0])
+    for r in range(2):
+        counts = zc[r]["comm_counts"]
+        assert counts.get("c10d._allgather_base_", 0) > 0, counts
+        assert counts.get("c10d._reduce_scatter_base_", 0) > 0, counts
+        assert counts == gloo[r]["comm_counts"], (counts, gloo[r]["comm_counts"])
+        for op in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+            assert zc[r]["c10d_events"].get(op) == gloo[r]["c10d_events"].get(op), (
+                zc[r]["c10d_events"], gloo[r]["c10d_events"])
 
 
 def test_fp32_matches_single_process_reference():

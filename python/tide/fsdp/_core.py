@@ -368,14 +368,15 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             storages = alloc_storages(all_gather_stream)
             for fp in fsdp_params:
                 fp._tide_ag_stream_storage = True
-            work = backend.param_all_gather(state.layout, state.shards, state.offsets,
-                                            state.dtype, storages)
+            work = _as_c10d(group, backend, device, "all_gather", lambda: backend.stage_param_all_gather(
+                state.layout, state.shards, state.offsets, state.dtype, storages))
             event = all_gather_stream.record_event()
         if not async_op:
             work = None
     else:
-        work = backend.param_all_gather(state.layout, state.shards, state.offsets, state.dtype,
-                                        alloc_storages())
+        storages = alloc_storages()
+        work = _as_c10d(group, backend, device, "all_gather", lambda: backend.stage_param_all_gather(
+            state.layout, state.shards, state.offsets, state.dtype, storages))
         if not async_op:
             work.wait()
             work = None
@@ -503,14 +504,16 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                     hook(fp.sharded_param)
 
     if device.type == "cuda":
-        return _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets,
+        return _reduce_scatter_cuda(reduce_scatter_group, fsdp_params, grads, unsharded_grads,
+                                    layout, out_offsets,
                                     padded, reduce_scatter_stream, all_reduce_stream,
                                     reduce_dtype, rs_op, all_reduce_hook, accumulate, backend,
                                     device, state.pool if state is not None else None)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
-    work = backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
-                                        reuse, regions)
+    work = _as_c10d(reduce_scatter_group, backend, device, "reduce_scatter",
+                    lambda: backend.stage_param_reduce_scatter(layout, grads, reduce_output,
+                                                               out_offsets, rs_op, reuse, regions))
     work.wait()
     for off, nbytes in regions:
         reuse.release(off, nbytes)  # staging done: the vacated storage is free again
@@ -522,6 +525,24 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     return Reduced(event, reduce_scatter_stream, event)
 
 
+def _as_c10d(group, backend, device, kind, stage):
+    """Runs a TIDE collective as the c10d collective stock FSDP2 calls in its place
+    (c10d::_allgather_base_, c10d::_reduce_scatter_base_), so that CommDebugMode, the
+    profiler and any TorchDispatchMode see FSDP2's collectives on a tide group as they do on
+    NCCL or gloo: stage() keeps the checked call in the backend; the c10d call with
+    zero-element tokens runs it. Returns its Work."""
+    import torch.distributed as dist
+
+    out, inp = torch.empty(0, device=device), torch.empty(0, device=device)
+    stage()
+    try:
+        if kind == "all_gather":
+            return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        return dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
+    finally:
+        backend.unstage()  # nothing is left staged, even if the call failed before running it
+
+
 def _reduce_scatter_done(fsdp_params, backend, device):
     report = backend.last_staging_report()
     _debug(f"reduce-scatter: zero-copy on {device.type}, {len(fsdp_params)} params, staging "
@@ -530,7 +551,7 @@ def _reduce_scatter_done(fsdp_params, backend, device):
     stats["zero_copy_reduce_scatter"] += 1
 
 
-def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
+def _reduce_scatter_cuda(group, fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
                          reduce_scatter_stream, all_reduce_stream, reduce_dtype, rs_op,
                          all_reduce_hook, accumulate, backend, device, pool):
     """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
@@ -549,8 +570,9 @@ def _reduce_scatter_cuda(fsdp_params, grads, unsharded_grads, layout, out_offset
             reuse, regions = pool.memory, [(offset, slot_bytes * num_slots + 4096)]
         reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
         try:
-            backend.param_reduce_scatter(layout, grads, reduce_output, out_offsets, rs_op,
-                                         reuse, regions)
+            _as_c10d(group, backend, device, "reduce_scatter",
+                     lambda: backend.stage_param_reduce_scatter(layout, grads, reduce_output,
+                                                                out_offsets, rs_op, reuse, regions))
         finally:
             if block is not None:  # free again once this stream is past the reduce-scatter
                 pool.release(block[0], slot_bytes * num_slots + 4096,
