@@ -13,7 +13,7 @@ ENV := scripts/env
 COMPAT_TORCH ?= 2.11.0
 # The Python suites that must hold on every supported torch (the FSDP2 seams move).
 COMPAT_SUITES := tests/python/test_backend_ops.py tests/python/test_backend_failures.py \
-	tests/python/test_fsdp_zero_copy.py tests/python/test_fsdp_install.py
+	tests/python/test_fsdp_zero_copy.py tests/python/test_fsdp_install.py tests/python/test_fsdp_seams.py
 CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null
 
 .PHONY: all build build-asan test test-cpp test-asan test-python test-compat demo bench clean

@@ -72,7 +72,13 @@ def test_post_accumulate_grad_hooks_run_as_in_stock():
         compare(zc[r], stock[r], f"rank {r}")
 
 
-@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch before 2.15 has no grad_dtype")
+def fsdp2_honours_grad_dtype():
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    return "sharded_grad_dtype" in getattr(FSDPParam, "__annotations__", {})
+
+
+@pytest.mark.skipif(not fsdp2_honours_grad_dtype(), reason="this torch's FSDP2 has no per-parameter grad_dtype")
 def test_a_parameters_grad_dtype_is_honoured():
     zc = run_ranks(seam_worker, 2, True, False, True)
     stock = run_ranks(seam_worker, 2, False, False, True)
