@@ -330,29 +330,34 @@ def kill_worker(rank, ws, moment, sig, store_dir):
         except Exception as e:  # noqa: BLE001
             seen = type(e).__name__ + ": " + str(e)
             pg = None
-    else:
+    elif moment == "mid-collective":
         pg = tide._C.ProcessGroupTide(store, rank, ws, timedelta(seconds=PG_TIMEOUT_S * 3))
         t = torch.randn(1 << 20)
         pg.allreduce([t]).wait()
         if rank == victim:
-            if moment == "mid-collective":
-                import threading
+            import threading
 
-                threading.Timer(0.002, os.kill, (os.getpid(), sig)).start()
-                while True:
-                    pg.allreduce([t]).wait()
-            else:  # during destroy: killed while tearing its group down
-                import threading
+            threading.Timer(0.002, os.kill, (os.getpid(), sig)).start()
+            while True:
+                pg.allreduce([t]).wait()
+        try:
+            for _ in range(1000):
+                pg.allreduce([t]).wait()
+        except Exception as e:  # noqa: BLE001
+            seen = type(e).__name__ + ": " + str(e)
+    else:  # killed inside destroy_process_group
+        dist.init_process_group("tide", store=store, rank=rank, world_size=ws,
+                                timeout=timedelta(seconds=PG_TIMEOUT_S * 3))
+        t = torch.randn(1 << 20)
+        dist.all_reduce(t)
+        if rank == victim:
+            import threading
 
-                threading.Timer(0.0005, os.kill, (os.getpid(), sig)).start()
-                del pg
-                time.sleep(10)
-        if moment == "mid-collective":
-            try:
-                for _ in range(1000):
-                    pg.allreduce([t]).wait()
-            except Exception as e:  # noqa: BLE001
-                seen = type(e).__name__ + ": " + str(e)
+            threading.Timer(0.0005, os.kill, (os.getpid(), sig)).start()
+        dist.destroy_process_group()
+        if rank == victim:
+            time.sleep(10)
+        pg = None
     del pg
     import gc
 
