@@ -1,8 +1,9 @@
 """The cluster step-time / memory model (python/tide/bench/model.py, docs/model.md).
 
 Components against hand-computed cases, monotonicity in every bandwidth and rate, the
-planner's byte accounting (when tide._C is built) and the CPU host transport's measured
-collectives (when the tide backend is importable).
+planner's byte accounting (when tide._C is built). The host transport's model against a
+measurement is a benchmark (benchmarks/host_model_check.py), not a test: timing on a shared
+machine proves nothing.
 """
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -297,73 +296,6 @@ def test_bytes_match_planner(shapes, ws):
 
 
 # ---- the CPU host transport: predicted vs measured -------------------------------------------
-
-def measure_memcpy_GBps(nbytes: int = 64 << 20, reps: int = 5) -> float:
-    """Single-thread copy of nbytes: bytes copied per second (best of reps)."""
-    import numpy as np
-
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / GB
-
-
-def _host_collectives(rank, world_size, nbytes, reps):
-    import torch
-    import torch.distributed as dist
-
-    n = nbytes // 4
-    inp = torch.ones(n, dtype=torch.float32)
-    out = torch.empty(n * world_size, dtype=torch.float32)
-    rs_in = torch.ones(n * world_size, dtype=torch.float32)
-    rs_out = torch.empty(n, dtype=torch.float32)
-    times = {"ag": math.inf, "rs": math.inf}
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_gather_into_tensor(out, inp)
-        times["ag"] = min(times["ag"], time.perf_counter() - t0)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.reduce_scatter_tensor(rs_out, rs_in)
-        times["rs"] = min(times["rs"], time.perf_counter() - t0)
-    return times
-
-
-HOST_TOLERANCE = 2.0  # predicted within a factor of 2 of measured, either way
-
-
-def test_host_transport_predicted_within_tolerance(monkeypatch):
-    try:
-        import tide  # noqa: F401
-        from tide import _C  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"tide backend not importable ({type(e).__name__}: {e})")
-    if not hasattr(_C, "ProcessGroupTide"):
-        pytest.skip("tide._C has no ProcessGroupTide yet (the host backend is not built)")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from dist_harness import run_ranks
-
-    monkeypatch.setenv("TIDE_NUM_THREADS", "1")  # the model: one core per rank
-    nbytes, ws = 16 << 20, 2
-    bw = measure_memcpy_GBps()
-    res = run_ranks(_host_collectives, ws, nbytes, 5, backend="tide", timeout=120)
-    meas_ag = max(r["ag"] for r in res)
-    meas_rs = max(r["rs"] for r in res)
-    pred_ag = M.host_allgather_time(nbytes, ws, bw)
-    pred_rs = M.host_reducescatter_time(nbytes, ws, bw)
-    msg = (f"memcpy {bw:.2f} GB/s; all-gather predicted {pred_ag*1e3:.2f} ms, measured "
-           f"{meas_ag*1e3:.2f} ms; reduce-scatter predicted {pred_rs*1e3:.2f} ms, measured "
-           f"{meas_rs*1e3:.2f} ms")
-    print(msg)
-    assert 1 / HOST_TOLERANCE <= pred_ag / meas_ag <= HOST_TOLERANCE, msg
-    assert 1 / HOST_TOLERANCE <= pred_rs / meas_rs <= HOST_TOLERANCE, msg
-
 
 def test_host_model_by_hand():
     # 2 ranks, 8 MiB each, 10 GB/s: (2 + 1) x 8 MiB copied, 4 slot handshakes of 20 us.
