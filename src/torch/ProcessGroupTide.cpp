@@ -682,7 +682,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor
               " outputs, got ", inputs.size(), " and ", outputs.size());
   // Packed into one send and one receive buffer; all_to_all moves per-peer byte ranges.
   std::vector<at::Tensor> flat_in;
-  for (auto& t : inputs) flat_in.push_back(input(t, ctx).reshape({-1}).view(at::kByte));
+  for (auto& t : inputs) {
+    auto flat = input(t, ctx).reshape({-1});
+    // contiguous() keeps a 0- or 1-element tensor's stride as it is (torch.empty(1)[::2]
+    // has stride 2), and a byte view needs stride 1: give the single element stride 1.
+    if (flat.numel() <= 1) flat = flat.as_strided({flat.numel()}, {1});
+    flat_in.push_back(flat.view(at::kByte));
+  }
   auto send = at::cat(flat_in);
   std::vector<size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
   size_t off = 0;

@@ -260,6 +260,15 @@ def noncontiguous_worker(rank, ws):
     # Flat view of what the caller passed: ws blocks of the inputs in rank order.
     want = torch.cat([make_input(4, r, 16, torch.float32) for r in range(ws)])
     check(failures, "all_gather_into_tensor non-contiguous output", out.reshape(-1), want)
+    # all_to_all with strided inputs of 0, 1 and 3 elements (contiguous() keeps the stride
+    # of a 0- or 1-element tensor: found by tests/python/test_gloo_fuzz.py).
+    size = [[0, 1, 3][(a + b) % 3] for a in range(ws) for b in range(ws)]  # a <-> b, by a * ws + b
+    ins = [make_input(5 + r, rank, 2 * size[rank * ws + r], torch.float32)[::2] for r in range(ws)]
+    outs = [torch.empty(size[rank * ws + r]) for r in range(ws)]
+    dist.all_to_all(outs, ins)
+    for r in range(ws):
+        check(failures, f"all_to_all strided input from rank {r}", outs[r],
+              make_input(5 + rank, r, 2 * outs[r].numel(), torch.float32)[::2])
     return failures
 
 
