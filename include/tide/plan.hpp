@@ -7,6 +7,7 @@
 // bytes; Strided::in_bytes converts a pattern to bytes.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace tide::plan {
@@ -141,6 +142,45 @@ struct AllGatherSchedule {
 // (allgather_copies with src_rank == self); after the last step every rank holds every
 // (owner, param) block exactly once. Throws if an element is larger than pace_bytes.
 AllGatherSchedule allgather_schedule(const GroupLayout& layout, int64_t pace_bytes);
+
+// ---- Nodes of a group (topology.cpp) ------------------------------------------------------
+
+// num_nodes nodes of local_size ranks each; node j holds ranks j * local_size .. + local_size - 1
+// (torchrun's numbering). A rail is the ranks of one local rank, one per node.
+struct Topology {
+  int world_size = 1;
+  int local_size = 1;
+  int num_nodes = 1;
+
+  int node_of(int rank) const { return rank / local_size; }
+  int local_rank(int rank) const { return rank % local_size; }
+  int rank_of(int node, int local) const { return node * local_size + local; }
+  bool operator==(const Topology&) const = default;
+};
+// The nodes of a group from each rank's host identity (in rank order) and a local world size
+// (0: one node per host; else LOCAL_WORLD_SIZE / TIDE_LOCAL_WORLD_SIZE, which may split a
+// host into pseudo-nodes but never join two hosts). Throws, naming the ranks and hosts, when
+// the nodes are not equal blocks of consecutive ranks.
+Topology topology_from_hosts(const std::vector<std::string>& hosts, int local_world_size);
+
+// ---- The all-gather across nodes (allgather_schedule.cpp) ---------------------------------
+// Two levels. inter_node: on every rail at once, the paced recursive doubling over the
+// nodes (Step::distance counts nodes; every transfer joins two ranks of one rail on
+// different nodes), after which every rank holds the shards of its rail. node_local: each
+// rank then copies, from every other rank of its node, the blocks of that rank's rail, each
+// as soon as the peer holds it: after inter-node step after_step (-1: the peer's own shard,
+// before step 0), so node-local delivery overlaps the inter-node steps.
+struct NodeLocalCopy {
+  Transfer block;  // src_rank and dst_rank on the same node; the whole shard of owner_rank
+  int after_step = -1;
+};
+struct NodeAllGatherSchedule {
+  Topology topology;
+  AllGatherSchedule inter_node;
+  std::vector<NodeLocalCopy> node_local;  // by dst_rank, then after_step
+};
+NodeAllGatherSchedule node_allgather_schedule(const GroupLayout& layout, const Topology& topology,
+                                              int64_t pace_bytes);
 
 // ---- Two-phase reduce-scatter pipeline (rs_pipeline.cpp) ----------------------------------
 
