@@ -1,0 +1,65 @@
+// Between nodes: an existing engine moves the bytes (torch's gloo on CPUs; on GPUs the NCCL
+// that torch loaded), behind this one small interface. Inside a node: the node's peers
+// (their storages in symmetric memory, a progress counter per rank, a barrier). The
+// two-level collectives are written once against both (src/collectives/node_*.cpp).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "tide/plan.hpp"
+
+namespace tide {
+
+struct EngineSend {
+  int peer = 0;  // a global rank on another node
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+struct EngineRecv {
+  int peer = 0;
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual const char* name() const = 0;  // what TIDE_DEBUG prints: "gloo", "nccl send-recv", ...
+  // Posts every send and receive, then waits for all of them. Messages from one rank to
+  // another match in the order they are posted; a receive names its exact size. A dead or
+  // silent peer raises tide::TimeoutError (the engine's own timeout).
+  virtual void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs) = 0;
+};
+
+class NodePeers {
+ public:
+  virtual ~NodePeers() = default;
+  // The unsharded storage of `param` of `rank`, a rank of this node (this rank included).
+  virtual const std::byte* storage(int rank, int param) = 0;
+  // Progress counters: values grow across collectives; await returns once `rank` has
+  // published at least `value` (or raises tide::TimeoutError).
+  virtual void publish(uint64_t value) = 0;
+  virtual void await(int rank, uint64_t value) = 0;
+  virtual void barrier() = 0;
+};
+
+// TIDE-AG across nodes, once this rank's own shard sits at its placement in its own
+// storages: the schedule's inter-node rounds over `engine`, straight from and into the
+// storages (a contiguous block is sent and received where it lies; a strided one is packed
+// and unpacked), and its node-local copies from the node peers' storages, each as soon as
+// the peer has the block. Blocks travel in the storage dtype, storage_elem_size bytes per
+// element (the schedule must be paced for it). Progress values progress_base ..
+// progress_base + steps are published; returns the next collective's base. Ends with the
+// node's barrier (no peer still reads this rank's storages).
+struct NodeAllGather {
+  const plan::GroupLayout* layout = nullptr;
+  const plan::NodeAllGatherSchedule* schedule = nullptr;
+  int rank = 0;
+  std::span<void* const> storages;
+  size_t storage_elem_size = 4;
+  uint64_t progress_base = 0;
+};
+uint64_t node_param_all_gather(const NodeAllGather& args, Engine& engine, NodePeers& peers);
+
+}  // namespace tide

@@ -1,0 +1,104 @@
+// TIDE-AG across nodes (plan::node_allgather_schedule): the paced recursive doubling over
+// the nodes on this rank's rail, through the engine, and node-local copies of the other
+// rails' blocks from the node's peers. Every block lands at its placement and is forwarded
+// from there; each inter-node hop moves a block once (contiguous blocks go straight from
+// the sender's storage into the receiver's).
+#include <cstring>
+#include <vector>
+
+#include "tide/engine.hpp"
+#include "tide/error.hpp"
+
+namespace tide {
+namespace {
+
+bool contiguous(const plan::Strided& p) { return p.count <= 1 || p.run == p.stride; }
+
+}  // namespace
+
+uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& peers) {
+  const plan::NodeAllGatherSchedule& s = *a.schedule;
+  const plan::Topology& topo = s.topology;
+  const int me = a.rank;
+  const size_t es = a.storage_elem_size;
+  TIDE_CHECK(a.storages.size() == a.layout->params.size(), "tide param_all_gather: rank ", me, ": ",
+             a.storages.size(), " storages for ", a.layout->params.size(), " parameters");
+  auto mine = [&](int param) { return static_cast<std::byte*>(a.storages[static_cast<size_t>(param)]); };
+
+  // Node-local copies that may run once the inter-node step `after_step` is done here and
+  // at the source (the source publishes progress_base + after_step + 1).
+  auto local_copies = [&](int after_step) {
+    for (const plan::NodeLocalCopy& c : s.node_local) {
+      if (c.block.dst_rank != me || c.after_step != after_step) continue;
+      peers.await(c.block.src_rank, a.progress_base + static_cast<uint64_t>(after_step + 1));
+      const std::byte* src = peers.storage(c.block.src_rank, c.block.param);
+      std::byte* dst = mine(c.block.param);
+      for (const plan::Strided& pat : c.block.storage)
+        for (int64_t k = 0; k < pat.count; ++k) {
+          const size_t at = static_cast<size_t>(pat.offset + k * pat.stride) * es;
+          std::memcpy(dst + at, src + at, static_cast<size_t>(pat.run) * es);
+        }
+    }
+  };
+
+  peers.publish(a.progress_base);  // own shard in place
+  local_copies(-1);
+  std::vector<EngineSend> sends;
+  std::vector<EngineRecv> recvs;
+  std::vector<std::vector<std::byte>> packed;  // strided blocks: sent from / received into
+  struct Unpack {
+    std::byte* storage;
+    plan::Strided pat;
+    const std::byte* from;
+  };
+  std::vector<Unpack> unpacks;
+  for (size_t k = 0; k < s.inter_node.steps.size(); ++k) {
+    for (const plan::Round& round : s.inter_node.steps[k].rounds) {
+      sends.clear();
+      recvs.clear();
+      packed.clear();
+      unpacks.clear();
+      for (const plan::Transfer& tr : round.transfers) {
+        if (tr.src_rank != me && tr.dst_rank != me) continue;
+        const bool sending = tr.src_rank == me;
+        const int peer = sending ? tr.dst_rank : tr.src_rank;
+        TIDE_CHECK(topo.node_of(peer) != topo.node_of(me), "tide param_all_gather: rank ", me,
+                   ": an inter-node transfer to rank ", peer, " on its own node");
+        for (const plan::Strided& pat : tr.storage) {
+          const size_t bytes = static_cast<size_t>(pat.numel()) * es;
+          std::byte* base = mine(tr.param);
+          if (contiguous(pat)) {
+            std::byte* at = base + static_cast<size_t>(pat.offset) * es;
+            if (sending)
+              sends.push_back({peer, at, bytes});
+            else
+              recvs.push_back({peer, at, bytes});
+            continue;
+          }
+          std::vector<std::byte>& buf = packed.emplace_back(bytes);
+          if (sending) {
+            for (int64_t c = 0; c < pat.count; ++c)
+              std::memcpy(buf.data() + static_cast<size_t>(c * pat.run) * es,
+                          base + static_cast<size_t>(pat.offset + c * pat.stride) * es,
+                          static_cast<size_t>(pat.run) * es);
+            sends.push_back({peer, buf.data(), bytes});
+          } else {
+            recvs.push_back({peer, buf.data(), bytes});
+            unpacks.push_back({base, pat, buf.data()});
+          }
+        }
+      }
+      engine.exchange(sends, recvs);
+      for (const Unpack& u : unpacks)
+        for (int64_t c = 0; c < u.pat.count; ++c)
+          std::memcpy(u.storage + static_cast<size_t>(u.pat.offset + c * u.pat.stride) * es,
+                      u.from + static_cast<size_t>(c * u.pat.run) * es, static_cast<size_t>(u.pat.run) * es);
+    }
+    peers.publish(a.progress_base + k + 1);
+    local_copies(static_cast<int>(k));
+  }
+  peers.barrier();
+  return a.progress_base + s.inter_node.steps.size() + 1;
+}
+
+}  // namespace tide
