@@ -14,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "tide/dtype.hpp"
 #include "tide/plan.hpp"
@@ -34,6 +35,9 @@ struct CommOptions {
   // Where the step and flag counters start; ranks must agree. Only tests set it: near 2^32,
   // to run the wrap-around that a long-lived communicator reaches after 2^32 pipeline steps.
   uint64_t counter_start = 0;
+  // Every rank's pid where already known (the group's node discovery): a rank that dies
+  // before it joins the transport is then reported at once, not at the timeout.
+  std::vector<int> pids;
 };
 
 struct ReduceArgs {

@@ -14,10 +14,13 @@
 //   TIDE_ALLGATHER_PACE_BYTES  bytes per rank and doubling round, default one slot
 //   TIDE_HOST_ID            which host this process is on (ranks must share it); default
 //                           hostname/boot id
+//   TIDE_LOCAL_WORLD_SIZE   splits a host into pseudo-nodes of this many consecutive ranks
 //   TIDE_DEBUG              1 prints the transport, threads, staging and CMA decision
 #pragma once
+#include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tide/comm.hpp"
 #include "tide/store.hpp"
@@ -29,6 +32,21 @@ namespace tide {
 inline constexpr const char* kSegmentLabel = "tide-host";
 inline constexpr const char* kSymmetricLabel = "tide-symmetric";
 inline constexpr size_t kDefaultStagingBytes = size_t{16} << 20;
+
+// Which host this process runs on: TIDE_HOST_ID when set (as NCCL_HOSTID), else the
+// hostname and the kernel's boot id (containers of one machine share the boot id; two
+// machines never do, even under one hostname).
+std::string host_identity();
+
+// Every rank's node, exchanged through the store (collective): its host identity, and with
+// TIDE_LOCAL_WORLD_SIZE=L also rank / L, which splits a host into pseudo-nodes of L
+// consecutive ranks (for tests: real ranks, one machine). Ranks with equal keys share a node.
+struct NodeKeys {
+  std::vector<std::string> keys;
+  std::vector<int> pids;
+};
+NodeKeys exchange_node_keys(Store& store, const std::string& ns, int rank, int world_size,
+                            std::chrono::milliseconds timeout);
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
                                                int world_size, const CommOptions& options);

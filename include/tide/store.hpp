@@ -3,6 +3,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,8 +32,11 @@ std::unique_ptr<Store> make_file_store(const std::string& directory);
 // is a TimeoutError naming the ranks still missing. `who` names the waiter in messages
 // ("tide host transport: rank 3 of group 'pg0'"). A wait longer than a few seconds prints
 // one line to stderr saying which ranks are awaited; a prompt start prints nothing.
-std::vector<std::vector<uint8_t>> await_ranks(Store& store, const std::string& prefix, int world_size,
-                                              const std::string& failure_key, std::chrono::milliseconds timeout,
-                                              const std::string& who);
+// between_polls(missing), when given, runs between polls and may throw (e.g. a missing
+// rank whose process is known to have died).
+std::vector<std::vector<uint8_t>> await_ranks(
+    Store& store, const std::string& prefix, int world_size, const std::string& failure_key,
+    std::chrono::milliseconds timeout, const std::string& who,
+    const std::function<void(const std::vector<int>& missing)>& between_polls = {});
 
 }  // namespace tide

@@ -37,6 +37,15 @@ def _create_backend(dist_opts, backend_opts):
         dist_opts.timeout,
         str(dist_opts.group_id),
     )
+    if backend.num_nodes() > 1:
+        # Across nodes the CPU collectives run on torch's gloo (the host transport is one
+        # host's); FSDP2 keeps its stock path there (tide.fsdp says why, once).
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("tide-gloo/", dist_opts.store),
+                                     dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout)
+        backend.set_cpu_delegate(gloo)
+        if os.environ.get("TIDE_DEBUG", "0") not in ("", "0"):
+            print(f"[tide] group {dist_opts.group_id}: {backend.num_nodes()} nodes; CPU collectives "
+                  f"go to gloo between them", flush=True)
     nccl = _nccl_delegate(dist_opts)
     if nccl is not None:
         backend.set_cuda_delegate(nccl)

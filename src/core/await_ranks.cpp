@@ -20,9 +20,10 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::vector<std::vector<uint8_t>> await_ranks(Store& store, const std::string& prefix, int world_size,
-                                              const std::string& failure_key, std::chrono::milliseconds timeout,
-                                              const std::string& who) {
+std::vector<std::vector<uint8_t>> await_ranks(
+    Store& store, const std::string& prefix, int world_size, const std::string& failure_key,
+    std::chrono::milliseconds timeout, const std::string& who,
+    const std::function<void(const std::vector<int>& missing)>& between_polls) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   const auto deadline = start + timeout;
@@ -48,6 +49,7 @@ std::vector<std::vector<uint8_t>> await_ranks(Store& store, const std::string& p
       throw TimeoutError(detail::concat(who, " gives up waiting for ranks ", rank_list(missing),
                                         ": another rank failed: ", std::string(why.begin(), why.end())));
     }
+    if (between_polls) between_polls(missing);
     const auto now = Clock::now();
     if (now >= deadline)
       throw TimeoutError(detail::concat(who, " timed out after ", timeout.count(), " ms waiting for ranks ",

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "tide/error.hpp"
+#include "tide/host_transport.hpp"
 #include "tide/reduce_kernels.hpp"
 
 namespace tide::torch_backend {
@@ -209,7 +210,16 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
   CommOptions options;
   options.timeout = timeout;
   try {
-    comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+    // One node: the host transport. Several (hosts, or pseudo-nodes): the standard ops on
+    // CPU tensors go to gloo across nodes (set_cpu_delegate), as CUDA ones go to NCCL.
+    const NodeKeys nodes = exchange_node_keys(tide_store, "pg" + group_name, rank, size, timeout);
+    const std::vector<std::string>& keys = nodes.keys;
+    options.pids = nodes.pids;
+    for (size_t r = 0; r < keys.size(); ++r)
+      if (std::find(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(r), keys[r]) ==
+          keys.begin() + static_cast<std::ptrdiff_t>(r))
+        ++num_nodes_;
+    if (num_nodes_ == 1) comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
   } catch (const tide::TimeoutError& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -272,7 +282,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
-  if (is_cuda(tensors)) return cuda_delegate("broadcast")->broadcast(tensors, opts);
+  if (auto d = delegate(tensors, "broadcast")) return d->broadcast(tensors, opts);
   OpContext ctx{"broadcast", getRank()};
   check_nonempty(tensors, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -294,7 +304,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
-  if (is_cuda(tensors)) return cuda_delegate("allreduce")->allreduce(tensors, opts);
+  if (auto d = delegate(tensors, "allreduce")) return d->allreduce(tensors, opts);
   OpContext ctx{"allreduce", getRank()};
   check_nonempty(tensors, ctx);
   check_alike(tensors, ctx);
@@ -323,8 +333,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (is_cuda(tensors))
-    return cuda_delegate("allreduce_coalesced")->allreduce_coalesced(tensors, opts);
+  if (auto d = delegate(tensors, "allreduce_coalesced"))
+    return d->allreduce_coalesced(tensors, opts);
   OpContext ctx{"allreduce_coalesced", getRank()};
   std::vector<Output> outs;
   std::vector<DType> dtypes;
@@ -346,7 +356,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>& tensors,
                                                         const c10d::ReduceOptions& opts) {
-  if (is_cuda(tensors)) return cuda_delegate("reduce")->reduce(tensors, opts);
+  if (auto d = delegate(tensors, "reduce")) return d->reduce(tensors, opts);
   OpContext ctx{"reduce", getRank()};
   check_single(tensors, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -364,7 +374,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (is_cuda(inputs)) return cuda_delegate("allgather")->allgather(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "allgather")) return d->allgather(outputs, inputs, opts);
   OpContext ctx{"allgather", getRank()};
   check_single(inputs, ctx);
   TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
@@ -390,8 +400,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& out
                                                                  at::Tensor& input_tensor,
                                                                  const c10d::AllgatherOptions& opts) {
   if (auto staged = run_staged(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return staged;
-  if (is_cuda({input_tensor}))
-    return cuda_delegate("_allgather_base")->_allgather_base(output_tensor, input_tensor, opts);
+  if (auto d = delegate({input_tensor}, "_allgather_base"))
+    return d->_allgather_base(output_tensor, input_tensor, opts);
   OpContext ctx{"all_gather_into_tensor", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -412,8 +422,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (is_cuda(inputs))
-    return cuda_delegate("allgather_coalesced")->allgather_coalesced(output_lists, inputs, opts);
+  if (auto d = delegate(inputs, "allgather_coalesced"))
+    return d->allgather_coalesced(output_lists, inputs, opts);
   OpContext ctx{"allgather_coalesced", getRank()};
   TORCH_CHECK(output_lists.size() == static_cast<size_t>(getSize()), "tide allgather_coalesced: rank ",
               getRank(), ": expects ", getSize(), " output lists, got ", output_lists.size());
@@ -450,8 +460,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (is_cuda(inputs))
-    return cuda_delegate("allgather_into_tensor_coalesced")->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "allgather_into_tensor_coalesced"))
+    return d->allgather_into_tensor_coalesced(outputs, inputs, opts);
   OpContext ctx{"allgather_into_tensor_coalesced", getRank()};
   TORCH_CHECK(outputs.size() == inputs.size(), "tide allgather_into_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
@@ -481,7 +491,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  if (is_cuda(inputs)) return cuda_delegate("gather")->gather(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "gather")) return d->gather(outputs, inputs, opts);
   OpContext ctx{"gather", getRank()};
   check_single(inputs, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -514,7 +524,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  if (is_cuda(outputs)) return cuda_delegate("scatter")->scatter(outputs, inputs, opts);
+  if (auto d = delegate(outputs, "scatter")) return d->scatter(outputs, inputs, opts);
   OpContext ctx{"scatter", getRank()};
   check_single(outputs, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -545,8 +555,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (is_cuda(outputs))
-    return cuda_delegate("reduce_scatter")->reduce_scatter(outputs, inputs, opts);
+  if (auto d = delegate(outputs, "reduce_scatter"))
+    return d->reduce_scatter(outputs, inputs, opts);
   OpContext ctx{"reduce_scatter", getRank()};
   check_single(outputs, ctx);
   TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
@@ -597,8 +607,8 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
   if (auto staged = run_staged(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return staged;
-  if (is_cuda({output_tensor}))
-    return cuda_delegate("_reduce_scatter_base")->_reduce_scatter_base(output_tensor, input_tensor, opts);
+  if (auto d = delegate({output_tensor}, "_reduce_scatter_base"))
+    return d->_reduce_scatter_base(output_tensor, input_tensor, opts);
   auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "tide:reduce_scatter_tensor", {output_tensor},
                  std::move(fn));
@@ -607,8 +617,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  if (is_cuda(outputs))
-    return cuda_delegate("reduce_scatter_tensor_coalesced")->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  if (auto d = delegate(outputs, "reduce_scatter_tensor_coalesced"))
+    return d->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   TORCH_CHECK(outputs.size() == inputs.size(), "tide reduce_scatter_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
   std::vector<std::function<void()>> fns;
@@ -624,8 +634,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  if (is_cuda({input_tensor}))
-    return cuda_delegate("alltoall_base")->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts);
+  if (auto d = delegate({input_tensor}, "alltoall_base"))
+    return d->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts);
   OpContext ctx{"all_to_all_single", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -674,7 +684,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllToAllOptions& opts) {
-  if (is_cuda(inputs)) return cuda_delegate("alltoall")->alltoall(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "alltoall")) return d->alltoall(outputs, inputs, opts);
   OpContext ctx{"all_to_all", getRank()};
   int ws = getSize();
   TORCH_CHECK(inputs.size() == static_cast<size_t>(ws) && outputs.size() == static_cast<size_t>(ws),
@@ -718,7 +728,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& tensors,
                                                       int dst_rank, int tag) {
-  if (is_cuda(tensors)) return cuda_delegate("send")->send(tensors, dst_rank, tag);
+  if (auto d = delegate(tensors, "send")) return d->send(tensors, dst_rank, tag);
   OpContext ctx{"send", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), "tide send: rank ",
@@ -731,7 +741,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& tensors,
                                                       int src_rank, int tag) {
-  if (is_cuda(tensors)) return cuda_delegate("recv")->recv(tensors, src_rank, tag);
+  if (auto d = delegate(tensors, "recv")) return d->recv(tensors, src_rank, tag);
   OpContext ctx{"recv", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), "tide recv: rank ",
@@ -748,15 +758,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::T
               ": receiving from any source is not supported; name the source rank");
 }
 
-c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::cuda_delegate(const char* op) const {
-  TORCH_CHECK(cuda_, "tide ", op, ": rank ", getRank(),
-              ": CUDA tensors need NCCL, and this process has no CUDA device or NCCL (the tide "
-              "group then handles CPU tensors only)");
-  return cuda_;
+void ProcessGroupTide::require_one_node(const char* op) const {
+  TORCH_CHECK(comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
+              " nodes; TIDE's FSDP2 collectives across nodes are not built yet (tide.fsdp keeps "
+              "FSDP2's stock path on such groups)");
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<at::Tensor>& tensors,
+                                                             const char* op) const {
+  if (is_cuda(tensors)) {
+    TORCH_CHECK(cuda_, "tide ", op, ": rank ", getRank(),
+                ": CUDA tensors need NCCL, and this process has no CUDA device or NCCL (the tide "
+                "group then handles CPU tensors only)");
+    return cuda_;
+  }
+  if (comm_) return {};
+  TORCH_CHECK(cpu_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
+              " nodes, and no inter-node backend (gloo) was set for its CPU tensors");
+  return cpu_;
 }
 
 #ifdef TIDE_WITH_CUDA
 CudaPath& ProcessGroupTide::cuda_path() {
+  require_one_node("FSDP2 on CUDA");
   if (!cuda_path_) {
     // The argument checks all-gather a fingerprint through the host communicator, on the
     // worker, so they stay ordered with CPU collectives issued before.
@@ -795,6 +819,7 @@ std::pair<size_t, int> ProcessGroupTide::cuda_staging_geometry(int device) {
 }
 
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
+  require_one_node("allocate_symmetric");
   if (device >= 0) {
 #ifdef TIDE_WITH_CUDA
     return cuda_path().allocate_symmetric(bytes, device);
@@ -813,6 +838,7 @@ std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size
 ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
     std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
+  require_one_node("param_all_gather");
   OpContext ctx{"param_all_gather", getRank()};
   const size_t n = layout.params.size();
   TORCH_CHECK(shard_offsets.size() == n && storages.size() == n, "tide param_all_gather: rank ",
@@ -878,6 +904,7 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
     std::shared_ptr<tide::SymmetricBuffer> reuse,
     std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
+  require_one_node("param_reduce_scatter");
   OpContext ctx{"param_reduce_scatter", getRank()};
   std::vector<tide::plan::Region> regions;
   for (auto [offset, bytes] : reuse_regions) regions.push_back({0, offset, bytes});
@@ -988,7 +1015,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_staged(c10d::OpType op, con
   return launch();
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions&) {
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions& opts) {
+  if (auto d = delegate({}, "barrier")) return d->barrier(const_cast<c10d::BarrierOptions&>(opts));
   return enqueue(c10d::OpType::BARRIER, "tide:barrier", {}, [this]() { comm_->barrier(); });
 }
 

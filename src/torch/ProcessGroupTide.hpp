@@ -95,6 +95,10 @@ class ProcessGroupTide : public c10d::Backend {
   // Standard ops on CUDA tensors go to this NCCL backend (python/tide/_backend.py creates
   // it where CUDA and NCCL exist), so a tide group is a complete CUDA backend.
   void set_cuda_delegate(c10::intrusive_ptr<c10d::Backend> nccl) { cuda_ = std::move(nccl); }
+  // A group over several nodes (hosts, or TIDE_LOCAL_WORLD_SIZE pseudo-nodes) has no host
+  // transport: its standard ops on CPU tensors go to this gloo backend (python/tide/_backend.py).
+  int num_nodes() const { return num_nodes_; }
+  void set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) { cpu_ = std::move(gloo); }
 
   // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
   // Each call runs on CUDA when its tensors are CUDA tensors (cuda/CudaPath.hpp: stream
@@ -133,7 +137,7 @@ class ProcessGroupTide : public c10d::Backend {
                                   std::vector<std::pair<int64_t, int64_t>> reuse_regions);
   void unstage();
   tide::StagingReport last_staging_report() const { return last_staging_; }
-  std::string host_allgather_algorithm() const { return comm_->param_all_gather_algorithm(); }
+  std::string host_allgather_algorithm() const { return comm_ ? comm_->param_all_gather_algorithm() : "none"; }
   // The CUDA all-gather path of this node for `device` and why ("nccl": the GPUs cannot map
   // each other's memory, so FSDP2 keeps its stock path). Collective at the first CUDA call.
   std::pair<std::string, std::string> cuda_path_choice(int device);
@@ -160,14 +164,19 @@ class ProcessGroupTide : public c10d::Backend {
                                          std::vector<at::Tensor> outputs,
                                          std::function<void()> fn);
   void worker_loop();
-  c10::intrusive_ptr<c10d::Backend> cuda_delegate(const char* op) const;
+  // The backend that runs a standard op on `tensors` instead of the host transport: NCCL
+  // for CUDA tensors, gloo on a group of several nodes; null: the host transport runs it.
+  c10::intrusive_ptr<c10d::Backend> delegate(const std::vector<at::Tensor>& tensors, const char* op) const;
+  void require_one_node(const char* op) const;
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);
 
   // The host communicator: CPU tensors, and the CUDA path's cross-rank argument checks.
-  std::unique_ptr<tide::Comm> comm_;
+  std::unique_ptr<tide::Comm> comm_;  // null when the group spans several nodes
+  int num_nodes_ = 0;
   c10::intrusive_ptr<c10d::Backend> cuda_;
+  c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_name_;
   std::chrono::milliseconds timeout_;

@@ -160,7 +160,11 @@ void bind_backend(pybind11::module_& m) {
       .def("cuda_path_choice", &ProcessGroupTide::cuda_path_choice, py::arg("device"),
            py::call_guard<py::gil_scoped_release>(),
            "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")
-      .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"));
+      .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"))
+      .def("num_nodes", &ProcessGroupTide::num_nodes,
+           "Nodes the group spans (hosts, or TIDE_LOCAL_WORLD_SIZE pseudo-nodes); 1: the host transport.")
+      .def("set_cpu_delegate", &ProcessGroupTide::set_cpu_delegate, py::arg("backend"),
+           "The gloo backend that runs CPU collectives of a group over several nodes.");
 }
 
 }  // namespace tide::py

@@ -90,6 +90,13 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _why_not_nodes(backend):
+    """None on a group of one node, else why TIDE's path does not serve it."""
+    nodes = backend.num_nodes()
+    return None if nodes == 1 else (f"the group spans {nodes} nodes, and TIDE's collectives "
+                                    f"across nodes are not built yet (CPU: gloo runs them)")
+
+
 def _why_not_cuda(backend, device):
     """On CUDA: None where the node's GPUs can map each other's memory, else why not."""
     if device.type != "cuda":
@@ -104,6 +111,8 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
 
     if backend is None:
         return "not a tide group (or CUDA tensors with a tide built without CUDA)"
+    if (why := _why_not_nodes(backend)) is not None:
+        return why
     if (why := _why_not_cuda(backend, device)) is not None:
         return why
     if not isinstance(all_gather_comm, DefaultAllGather):
@@ -464,6 +473,8 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     elif not (reduce_dtype == grad_dtype
               or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
         why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
+    elif (nodes_why := _why_not_nodes(backend)) is not None:
+        why = nodes_why
     elif (cuda_why := _why_not_cuda(backend, device)) is not None:
         why = cuda_why
     elif device.type == "cuda" and reduce_dtype != torch.float32:

@@ -149,23 +149,6 @@ Rendezvous decode(const std::vector<uint8_t>& v) {
   return r;
 }
 
-// Which host this process runs on: TIDE_HOST_ID when set (as NCCL_HOSTID), else the
-// hostname and the kernel's boot id (containers of one machine share the boot id; two
-// machines never do, even under one hostname).
-std::string host_identity() {
-  if (std::string id = env::get_string("TIDE_HOST_ID", ""); !id.empty()) return id;
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  std::string boot;
-  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
-    char buf[64] = {};
-    if (std::fgets(buf, sizeof buf, f)) boot = buf;
-    std::fclose(f);
-    boot.erase(boot.find_last_not_of(" \n") + 1);
-  }
-  return detail::concat(name, '/', boot);
-}
-
 // Bytes of memory a new shared segment can take: MemAvailable, or less under a cgroup
 // (v2) memory limit. 0 when unknown.
 size_t available_memory() {
@@ -288,7 +271,7 @@ class ShmTransport final : public Transport {
  public:
   ShmTransport(Store& store, const std::string& ns, int rank, int ws, const CommOptions& opt)
       : rank_(rank), ws_(ws), timeout_(opt.timeout), layout_(ws, 0, 1), counter_start_(opt.counter_start),
-        exchanges_(opt.counter_start) {
+        exchanges_(opt.counter_start), pids_(opt.pids) {
     size_t staging = opt.staging_bytes ? opt.staging_bytes
                                        : env::get_bytes("TIDE_SHM_STAGING_BYTES", kDefaultStagingBytes);
     size_t slot = env::get_bytes("TIDE_SHM_SLOT_BYTES", std::min<size_t>(staging / 2, size_t{2} << 20));
@@ -571,7 +554,13 @@ class ShmTransport final : public Transport {
     Rendezvous mine{h->pid, staging, layout_.slot_bytes, ws_, host_identity(), fd_channel_->address()};
     store.set(prefix + std::to_string(rank_), encode(mine));
     std::vector<Rendezvous> all;
-    for (auto& v : await_ranks(store, prefix, ws_, failed, timeout_, who)) all.push_back(decode(v));
+    auto died = [&](const std::vector<int>& missing) {  // pids known from node discovery
+      for (int r : missing)
+        if (static_cast<size_t>(r) < pids_.size() && process_dead(pids_[r]))
+          throw TimeoutError(detail::concat(who, " was waiting for rank ", r, " to join, but rank ", r, " (pid ",
+                                            pids_[r], ") died"));
+    };
+    for (auto& v : await_ranks(store, prefix, ws_, failed, timeout_, who, died)) all.push_back(decode(v));
     check_one_host(all);
     for (int r = 0; r < ws_; ++r) {
       if (all[r].staging == staging && all[r].slot == layout_.slot_bytes && all[r].world_size == ws_) continue;
@@ -687,6 +676,7 @@ class ShmTransport final : public Transport {
   uint64_t symmetric_allocations_ = 0;  // FdChannel tags: 0 is the segment at creation
   uint64_t counter_start_;
   uint64_t exchanges_;
+  std::vector<int> pids_;  // CommOptions::pids: a rank that dies before it joins fails the wait at once
   bool cma_ = false;
   std::string cma_why_;
   const char* collective_ = "init";
