@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "tide/error.hpp"
 #include "tide/plan.hpp"
 
 namespace tide::py {
@@ -95,6 +96,29 @@ void bind_plan(pybind11::module_& parent) {
       .def_readonly("pace_bytes", &AllGatherSchedule::pace_bytes)
       .def_readonly("steps", &AllGatherSchedule::steps);
   m.def("allgather_schedule", &allgather_schedule, pybind11::arg("layout"),
+        pybind11::arg("pace_bytes"));
+
+  pybind11::class_<Topology>(m, "Topology")
+      .def(pybind11::init([](int world_size, int local_size) {
+             TIDE_CHECK(local_size >= 1 && world_size % local_size == 0, "Topology: ", world_size,
+                        " ranks do not split into nodes of ", local_size);
+             return Topology{world_size, local_size, world_size / local_size};
+           }),
+           pybind11::arg("world_size"), pybind11::arg("local_size"))
+      .def_readonly("world_size", &Topology::world_size)
+      .def_readonly("local_size", &Topology::local_size)
+      .def_readonly("num_nodes", &Topology::num_nodes)
+      .def("node_of", &Topology::node_of)
+      .def("local_rank", &Topology::local_rank);
+  m.def("topology_from_hosts", &topology_from_hosts, pybind11::arg("hosts"), pybind11::arg("local_world_size") = 0);
+  pybind11::class_<NodeLocalCopy>(m, "NodeLocalCopy")
+      .def_readonly("block", &NodeLocalCopy::block)
+      .def_readonly("after_step", &NodeLocalCopy::after_step);
+  pybind11::class_<NodeAllGatherSchedule>(m, "NodeAllGatherSchedule")
+      .def_readonly("topology", &NodeAllGatherSchedule::topology)
+      .def_readonly("inter_node", &NodeAllGatherSchedule::inter_node)
+      .def_readonly("node_local", &NodeAllGatherSchedule::node_local);
+  m.def("node_allgather_schedule", &node_allgather_schedule, pybind11::arg("layout"), pybind11::arg("topology"),
         pybind11::arg("pace_bytes"));
 
   pybind11::class_<RsPiece>(m, "RsPiece")

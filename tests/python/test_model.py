@@ -295,6 +295,32 @@ def test_bytes_match_planner(shapes, ws):
         assert t.param_storage == mt.param_storage and t.rs_output == mt.rs_output
 
 
+@pytest.mark.parametrize("nodes,g", [(2, 8), (3, 8), (4, 4), (7, 2), (7, 1), (1, 8)])
+def test_allgather_traffic_matches_the_planners_schedule(nodes, g):
+    """The model's TIDE-AG traffic per rank (NIC bytes, NVLink bytes, RDMA steps) against
+    the two-level schedule the executor runs, summed transfer by transfer. Shapes divide
+    evenly by every world size here, so the model's even split is exact."""
+    plan = _planner()
+    if not hasattr(plan, "node_allgather_schedule"):
+        pytest.skip("tide._C.plan has no node_allgather_schedule")
+    ws = nodes * g
+    params = [plan.Param([336 * 4, 96], 2, 0), plan.Param([336], 4, 0), plan.Param([48, 336 * 2], 2, 1)]
+    layout = plan.plan_group(params, ws)
+    S = sum(p.numel * p.elem_size for p in layout.params)
+    sched = plan.node_allgather_schedule(layout, plan.Topology(ws, g), 1 << 16)
+    want = M.tide_allgather_traffic(g, nodes, S)
+    assert len(sched.inter_node.steps) == want["net_steps"]
+    net, node = [0] * ws, [0] * ws
+    for step in sched.inter_node.steps:
+        for rnd in step.rounds:
+            for t in rnd.transfers:
+                net[t.dst_rank] += (t.shard_end - t.shard_begin) * layout.params[t.param].elem_size
+    for c in sched.node_local:
+        node[c.block.dst_rank] += (c.block.shard_end - c.block.shard_begin) * layout.params[c.block.param].elem_size
+    assert net == [want["net_bytes"]] * ws
+    assert node == [want["node_bytes"]] * ws
+
+
 # ---- the CPU host transport: predicted vs measured -------------------------------------------
 
 def test_host_model_by_hand():

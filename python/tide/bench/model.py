@@ -176,16 +176,28 @@ def ring_collective(hw: Hardware, ws: int, S: float, nvlink_GBps: float | None =
     return {"time": max(t_nvl, t_net) + lat, "nvl": t_nvl, "net": t_net, "lat": lat}
 
 
+def tide_allgather_traffic(g: int, nodes: int, S: float) -> dict:
+    """What each rank receives in TIDE-AG, as the planner's two-level schedule moves it
+    (plan::node_allgather_schedule, executed by node_param_all_gather; tests/python/
+    test_model.py checks these against the schedule): the paced recursive doubling over the
+    nodes on its rail, ceil(log2(nodes)) steps bringing S (nodes-1)/nodes/g bytes through
+    its NIC, and the other g-1 rails' blocks, S (g-1)/g bytes, from its node's peers. The
+    pacing cuts a step into rounds of at most TIDE_ALLGATHER_PACE_BYTES per rank; the model
+    counts one RDMA latency per step (rounds pipeline) and no pacing limit on bandwidth."""
+    return {"net_bytes": S * (nodes - 1) / nodes / g, "node_bytes": S * (g - 1) / g,
+            "net_steps": math.ceil(math.log2(nodes)) if nodes > 1 else 0}
+
+
 def tide_allgather(hw: Hardware, ws: int, S: float) -> dict:
     """TIDE-AG: paced recursive doubling over the rails (RDMA, no SMs) pipelined with
-    NVSwitch multicast inside the node: every GPU receives the other g-1 GPUs' node-gathered
-    data, S (g-1)/g bytes, through NVLink; S (nodes-1)/nodes/g through its NIC."""
+    NVSwitch multicast inside the node (tide_allgather_traffic)."""
     if ws <= 1:
         return {"time": 0.0, "nvl": 0.0, "net": 0.0, "lat": 0.0}
     g, nodes = _topology(hw, ws)
-    t_nvl = S * (g - 1) / g / (hw.nvlink_ce_GBps * GB)
-    t_net = _net_time(hw, ws, S * (nodes - 1) / nodes / g)
-    lat = (math.ceil(math.log2(nodes)) * hw.rdma_latency_us if nodes > 1 else 0.0) * 1e-6
+    traffic = tide_allgather_traffic(g, nodes, S)
+    t_nvl = traffic["node_bytes"] / (hw.nvlink_ce_GBps * GB)
+    t_net = _net_time(hw, ws, traffic["net_bytes"])
+    lat = traffic["net_steps"] * hw.rdma_latency_us * 1e-6
     lat += hw.nvlink_latency_us * 1e-6
     return {"time": max(t_nvl, t_net) + lat, "nvl": t_nvl, "net": t_net, "lat": lat}
 
