@@ -3,10 +3,14 @@
 // (their storages in symmetric memory, a progress counter per rank, a barrier). The
 // two-level collectives are written once against both (src/collectives/node_*.cpp).
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
+#include <vector>
 
+#include "tide/comm.hpp"
 #include "tide/plan.hpp"
 
 namespace tide {
@@ -49,9 +53,9 @@ class NodePeers {
 // storages (a contiguous block is sent and received where it lies; a strided one is packed
 // and unpacked), and its node-local copies from the node peers' storages, each as soon as
 // the peer has the block. Blocks travel in the storage dtype, storage_elem_size bytes per
-// element (the schedule must be paced for it). Progress values progress_base ..
-// progress_base + steps are published; returns the next collective's base. Ends with the
-// node's barrier (no peer still reads this rank's storages).
+// element (the schedule must be paced for it). Progress values progress_base + 1 ..
+// progress_base + steps + 1 are published (words start at 0); returns the next collective's
+// base. Ends with the node's barrier (no peer still reads this rank's storages).
 struct NodeAllGather {
   const plan::GroupLayout* layout = nullptr;
   const plan::NodeAllGatherSchedule* schedule = nullptr;
@@ -61,5 +65,23 @@ struct NodeAllGather {
   uint64_t progress_base = 0;
 };
 uint64_t node_param_all_gather(const NodeAllGather& args, Engine& engine, NodePeers& peers);
+
+}  // namespace tide
+
+namespace tide {
+
+// NodePeers over a node's host communicator: rank r's storage of param p at
+// storage_offsets[p] bytes into storages->peer(local rank of r), and one 8-byte progress
+// word per rank in `progress` (both allocated on node_comm, so symmetric on the node).
+std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology& topology, int rank,
+                                           SymmetricBuffer& progress, SymmetricBuffer& storages,
+                                           std::vector<size_t> storage_offsets, std::chrono::milliseconds timeout);
+
+// TIDE-AG of a group over several nodes: this rank's own shard, cast, to its placement in
+// its own storages, then node_param_all_gather over the two-level schedule paced at
+// pace_bytes per rank and round (in the storage dtype; 0: TIDE_ALLGATHER_PACE_BYTES or 4 MiB). `progress` carries the progress
+// values from one collective to the next.
+void param_all_gather_across_nodes(const ParamAllGather& args, const plan::Topology& topology, int rank,
+                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress);
 
 }  // namespace tide

@@ -25,12 +25,14 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
              a.storages.size(), " storages for ", a.layout->params.size(), " parameters");
   auto mine = [&](int param) { return static_cast<std::byte*>(a.storages[static_cast<size_t>(param)]); };
 
-  // Node-local copies that may run once the inter-node step `after_step` is done here and
-  // at the source (the source publishes progress_base + after_step + 1).
+  // Progress: base + 1 once the own shard is in place, base + 2 + k after inter-node step k
+  // (never the words' initial 0). A node-local copy runs once its source has published the
+  // step after which it holds the block.
+  auto reached = [&](int after_step) { return a.progress_base + static_cast<uint64_t>(after_step + 2); };
   auto local_copies = [&](int after_step) {
     for (const plan::NodeLocalCopy& c : s.node_local) {
       if (c.block.dst_rank != me || c.after_step != after_step) continue;
-      peers.await(c.block.src_rank, a.progress_base + static_cast<uint64_t>(after_step + 1));
+      peers.await(c.block.src_rank, reached(after_step));
       const std::byte* src = peers.storage(c.block.src_rank, c.block.param);
       std::byte* dst = mine(c.block.param);
       for (const plan::Strided& pat : c.block.storage)
@@ -41,7 +43,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
     }
   };
 
-  peers.publish(a.progress_base);  // own shard in place
+  peers.publish(reached(-1));  // own shard in place
   local_copies(-1);
   std::vector<EngineSend> sends;
   std::vector<EngineRecv> recvs;
@@ -94,11 +96,45 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
           std::memcpy(u.storage + static_cast<size_t>(u.pat.offset + c * u.pat.stride) * es,
                       u.from + static_cast<size_t>(c * u.pat.run) * es, static_cast<size_t>(u.pat.run) * es);
     }
-    peers.publish(a.progress_base + k + 1);
+    peers.publish(reached(static_cast<int>(k)));
     local_copies(static_cast<int>(k));
   }
   peers.barrier();
-  return a.progress_base + s.inter_node.steps.size() + 1;
+  return reached(static_cast<int>(s.inter_node.steps.size()) - 1);
+}
+
+}  // namespace tide
+
+#include "../core/convert.hpp"
+#include "../core/env.hpp"
+#include "tide/dtype.hpp"
+
+namespace tide {
+
+void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology& topo, int rank,
+                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress) {
+  const plan::GroupLayout& layout = *a.layout;
+  const size_t es = dtype_size(a.storage_dtype);
+  if (pace_bytes == 0) pace_bytes = env::get_bytes("TIDE_ALLGATHER_PACE_BYTES", size_t{4} << 20);
+  for (size_t p = 0; p < layout.params.size(); ++p) {  // own shard, cast, to its placement
+    const plan::Shard& s = layout.params[p].shards[rank];
+    const plan::Strided& pl = s.placement;
+    const std::byte* src = a.shards->local() + a.shard_offsets[p];
+    auto* dst = static_cast<std::byte*>(a.storages[p]);
+    for (int64_t c = 0; c < (s.numel ? pl.count : 0); ++c)
+      convert_kernel(dst + static_cast<size_t>(pl.offset + c * pl.stride) * es, a.storage_dtype,
+                     src + static_cast<size_t>(c * pl.run) * dtype_size(a.shard_dtype), a.shard_dtype,
+                     static_cast<size_t>(pl.run));
+  }
+  // The planner paces in its parameters' element size; blocks travel in the storage dtype.
+  int64_t widen = 1, widest = 1;
+  for (const plan::ParamLayout& p : layout.params) {
+    widen = std::max<int64_t>(widen, (static_cast<int64_t>(es) + p.elem_size - 1) / p.elem_size);
+    widest = std::max<int64_t>(widest, p.elem_size);
+  }
+  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
+      layout, topo, std::max<int64_t>(widest, static_cast<int64_t>(pace_bytes) / widen));
+  progress = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress}, engine, peers);
 }
 
 }  // namespace tide

@@ -219,7 +219,24 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
       if (std::find(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(r), keys[r]) ==
           keys.begin() + static_cast<std::ptrdiff_t>(r))
         ++num_nodes_;
-    if (num_nodes_ == 1) comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+    if (num_nodes_ == 1) {
+      comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+    } else {
+      try {
+        topology_ = tide::plan::topology_from_hosts(keys, 0);
+      } catch (const tide::Error& e) {
+        topology_error_ = e.what();
+      }
+      if (topology_) {  // the node's ranks get a host communicator of their own
+        const int node = topology_->node_of(rank);
+        CommOptions local = options;
+        local.pids.assign(nodes.pids.begin() + topology_->rank_of(node, 0),
+                          nodes.pids.begin() + topology_->rank_of(node, 0) + topology_->local_size);
+        node_comm_ = make_host_comm(tide_store, "pg" + group_name + "/node" + std::to_string(node),
+                                    topology_->local_rank(rank), topology_->local_size, local);
+        progress_ = node_comm_->allocate_symmetric(64);
+      }
+    }
   } catch (const tide::TimeoutError& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -758,6 +775,42 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::T
               ": receiving from any source is not supported; name the source rank");
 }
 
+namespace {
+// A node communicator's symmetric memory seen with the group's ranks: peer(r) for r on
+// this node only.
+class NodeSymmetric final : public tide::SymmetricBuffer {
+ public:
+  NodeSymmetric(std::shared_ptr<tide::SymmetricBuffer> inner, tide::plan::Topology topo, int rank)
+      : inner_(std::move(inner)), topo_(topo), me_(rank) {}
+  std::byte* local() override { return inner_->local(); }
+  std::byte* peer(int rank) override { return inner_->peer(local_rank(rank)); }
+  size_t bytes(int rank) const override { return inner_->bytes(local_rank(rank)); }
+  void release(size_t offset, size_t bytes) override { inner_->release(offset, bytes); }
+  const std::shared_ptr<tide::SymmetricBuffer>& inner() const { return inner_; }
+
+ private:
+  int local_rank(int rank) const {
+    TIDE_CHECK(topo_.node_of(rank) == topo_.node_of(me_), "tide symmetric memory: rank ", me_,
+               " asked for rank ", rank, "'s part, which is on another node");
+    return topo_.local_rank(rank);
+  }
+  std::shared_ptr<tide::SymmetricBuffer> inner_;
+  tide::plan::Topology topo_;
+  int me_;
+};
+}  // namespace
+
+void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) {
+  cpu_ = std::move(gloo);
+  engine_ = std::make_unique<GlooEngine>(cpu_, timeout_);
+}
+
+std::string ProcessGroupTide::why_not_across_nodes() const {
+  if (!topology_) return "its nodes are not equal blocks of consecutive ranks (" + topology_error_ + ")";
+  if (!engine_) return "no inter-node engine (gloo) was set";
+  return "";
+}
+
 void ProcessGroupTide::require_one_node(const char* op) const {
   TORCH_CHECK(comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
               " nodes; TIDE's FSDP2 collectives across nodes are not built yet (tide.fsdp keeps "
@@ -819,6 +872,15 @@ std::pair<size_t, int> ProcessGroupTide::cuda_staging_geometry(int device) {
 }
 
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
+  if (!comm_ && node_comm_ && device < 0) {  // across nodes: symmetric within the node
+    auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
+    auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {}, [this, bytes, result]() {
+      *result = std::make_shared<NodeSymmetric>(node_comm_->allocate_symmetric(bytes), *topology_, getRank());
+    });
+    work->wait();
+    node_buffers_.push_back(*result);
+    return *result;
+  }
   require_one_node("allocate_symmetric");
   if (device >= 0) {
 #ifdef TIDE_WITH_CUDA
@@ -838,7 +900,10 @@ std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size
 ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
     std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
-  require_one_node("param_all_gather");
+  if (!comm_) {
+    const std::string why = why_not_across_nodes();
+    TORCH_CHECK(why.empty(), "tide param_all_gather: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
+  }
   OpContext ctx{"param_all_gather", getRank()};
   const size_t n = layout.params.size();
   TORCH_CHECK(shard_offsets.size() == n && storages.size() == n, "tide param_all_gather: rank ",
@@ -858,9 +923,16 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
                 layout.params[p].storage_numel, " contiguous elements of one dtype");
   }
   auto src_dtype = to_dtype(shard_dtype, ctx);
+  // Across nodes, node peers read each other's storages: in node-symmetric memory.
+  std::shared_ptr<tide::SymmetricBuffer> home;
+  std::vector<size_t> storage_offsets;
+  if (!comm_) {
+    TORCH_CHECK(device < 0, "tide param_all_gather: rank ", getRank(), ": CUDA tensors across nodes are not supported yet");
+    std::tie(home, storage_offsets) = node_storage_home(storages);
+  }
   // The call itself: on the worker thread (host), or right here (CUDA: stream-ordered).
-  auto call = [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype,
-               device]() -> c10::intrusive_ptr<c10d::Work> {
+  auto call = [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype, device, home,
+               storage_offsets]() -> c10::intrusive_ptr<c10d::Work> {
     std::vector<void*> ptrs;
     for (auto& t : storages) ptrs.push_back(t.data_ptr());
     tide::ParamAllGather args;
@@ -873,13 +945,37 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
 #ifdef TIDE_WITH_CUDA
     if (device >= 0) return cuda_path().param_all_gather(args, storages, device);
 #endif
-    comm_->param_all_gather(args);
+    if (comm_) {
+      comm_->param_all_gather(args);
+    } else {
+      auto peers = tide::make_node_peers(*node_comm_, *topology_, getRank(), *progress_, *home, storage_offsets,
+                                         timeout_);
+      tide::param_all_gather_across_nodes(args, *topology_, getRank(), 0, *engine_, *peers, progress_value_);
+    }
     return {};
   };
   return [this, call, device, storages]() -> c10::intrusive_ptr<c10d::Work> {
     if (device >= 0) return call();
     return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages, [call]() { call(); });
   };
+}
+
+std::pair<std::shared_ptr<tide::SymmetricBuffer>, std::vector<size_t>> ProcessGroupTide::node_storage_home(
+    const std::vector<at::Tensor>& storages) {
+  for (auto& weak : node_buffers_) {
+    auto buf = weak.lock();
+    if (!buf) continue;
+    const auto* base = buf->local();
+    std::vector<size_t> offsets;
+    for (const at::Tensor& t : storages) {
+      const auto* at = static_cast<const std::byte*>(t.data_ptr());
+      if (at < base || at + t.nbytes() > base + buf->bytes(getRank())) break;
+      offsets.push_back(static_cast<size_t>(at - base));
+    }
+    if (offsets.size() == storages.size()) return {static_cast<NodeSymmetric&>(*buf).inner(), offsets};
+  }
+  TORCH_CHECK(false, "tide param_all_gather: rank ", getRank(), ": across nodes, the unsharded storages must lie in "
+              "memory from this group's allocate_symmetric (node peers read them)");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(

@@ -14,6 +14,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <optional>
+
+#include "GlooEngine.hpp"
 #include "tide/comm.hpp"
 #ifdef TIDE_WITH_CUDA
 #include "cuda/CudaPath.hpp"
@@ -98,7 +101,11 @@ class ProcessGroupTide : public c10d::Backend {
   // A group over several nodes (hosts, or TIDE_LOCAL_WORLD_SIZE pseudo-nodes) has no host
   // transport: its standard ops on CPU tensors go to this gloo backend (python/tide/_backend.py).
   int num_nodes() const { return num_nodes_; }
-  void set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) { cpu_ = std::move(gloo); }
+  void set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo);
+  // Whether TIDE-AG runs across this group's nodes (equal nodes of consecutive ranks, a
+  // gloo engine set); else why not.
+  std::string why_not_across_nodes() const;
+  int64_t inter_node_bytes_sent() const { return engine_ ? engine_->bytes_sent() : 0; }
 
   // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
   // Each call runs on CUDA when its tensors are CUDA tensors (cuda/CudaPath.hpp: stream
@@ -147,6 +154,9 @@ class ProcessGroupTide : public c10d::Backend {
  private:
   using Launch = std::function<c10::intrusive_ptr<c10d::Work>()>;
   // The checked call of param_all_gather / param_reduce_scatter, not yet run.
+  // Across nodes: the node-symmetric memory the storages lie in, and their offsets there.
+  std::pair<std::shared_ptr<tide::SymmetricBuffer>, std::vector<size_t>> node_storage_home(
+      const std::vector<at::Tensor>& storages);
   Launch make_param_all_gather(const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
                                std::vector<size_t> shard_offsets, at::ScalarType shard_dtype,
                                std::vector<at::Tensor> storages);
@@ -175,6 +185,15 @@ class ProcessGroupTide : public c10d::Backend {
   // The host communicator: CPU tensors, and the CUDA path's cross-rank argument checks.
   std::unique_ptr<tide::Comm> comm_;  // null when the group spans several nodes
   int num_nodes_ = 0;
+  // Across nodes: the node's own host communicator (symmetric memory, node barrier), the
+  // nodes, the gloo engine between them, the node peers' progress words.
+  std::unique_ptr<tide::Comm> node_comm_;
+  std::optional<tide::plan::Topology> topology_;
+  std::string topology_error_;
+  std::unique_ptr<GlooEngine> engine_;
+  std::shared_ptr<tide::SymmetricBuffer> progress_;
+  uint64_t progress_value_ = 0;
+  std::vector<std::weak_ptr<tide::SymmetricBuffer>> node_buffers_;  // allocate_symmetric's, on node_comm_
   c10::intrusive_ptr<c10d::Backend> cuda_;
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;

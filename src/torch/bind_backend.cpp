@@ -161,6 +161,10 @@ void bind_backend(pybind11::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")
       .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"))
+      .def("why_not_across_nodes", &ProcessGroupTide::why_not_across_nodes,
+           "'' where TIDE-AG runs across this group's nodes, else why not.")
+      .def("inter_node_bytes_sent", &ProcessGroupTide::inter_node_bytes_sent,
+           "Bytes this rank sent through the inter-node engine (TIDE's own collectives).")
       .def("num_nodes", &ProcessGroupTide::num_nodes,
            "Nodes the group spans (hosts, or TIDE_LOCAL_WORLD_SIZE pseudo-nodes); 1: the host transport.")
       .def("set_cpu_delegate", &ProcessGroupTide::set_cpu_delegate, py::arg("backend"),

@@ -5,6 +5,7 @@
 // 1-7 nodes of 1-3 ranks, with storages narrower and wider than the planner's elements.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <condition_variable>
@@ -45,12 +46,16 @@ struct World {
       : layout(g), topo(t), es(elem), storage(t.world_size), progress(t.world_size, 0) {
     for (int n = 0; n < t.num_nodes; ++n) node_barriers.push_back(std::make_unique<std::barrier<>>(t.local_size));
     for (int r = 0; r < t.world_size; ++r)
-      for (size_t p = 0; p < g.params.size(); ++p) {
-        auto& s = storage[r].emplace_back(static_cast<size_t>(g.params[p].storage_numel) * es, std::byte{0xEE});
-        int64_t i = 0;  // the own shard at its placement, as the caller places it before
-        for (int64_t e : expand(g.params[p].shards[r].placement))
-          element(r, static_cast<int>(p), i++, es, s.data() + static_cast<size_t>(e) * es);
-      }
+      for (size_t p = 0; p < g.params.size(); ++p)
+        storage[r].emplace_back(static_cast<size_t>(g.params[p].storage_numel) * es, std::byte{0xEE});
+  }
+  // What the caller does before node_param_all_gather: its own shard to its placement.
+  void place_own(int r) {
+    for (size_t p = 0; p < layout.params.size(); ++p) {
+      int64_t i = 0;
+      for (int64_t e : expand(layout.params[p].shards[r].placement))
+        element(r, static_cast<int>(p), i++, es, storage[r][p].data() + static_cast<size_t>(e) * es);
+    }
   }
 };
 
@@ -125,8 +130,15 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
         std::vector<void*> storages;
         for (auto& s : w.storage[r]) storages.push_back(s.data());
         uint64_t base = 0;
-        for (int rep = 0; rep < 2; ++rep)
+        for (int rep = 0; rep < 2; ++rep) {  // the second starts from fill bytes again
+          if (rep) {
+            peers.barrier();  // nobody reads the first result any more
+            for (auto& s : w.storage[r]) std::fill(s.begin(), s.end(), std::byte{0xEE});
+            peers.barrier();
+          }
+          w.place_own(r);
           base = node_param_all_gather({&g, &schedule, r, storages, es, base}, engine, peers);
+        }
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
       }

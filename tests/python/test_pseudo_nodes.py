@@ -1,8 +1,10 @@
 """A tide group over several nodes, on one machine split into pseudo-nodes
-(TIDE_LOCAL_WORLD_SIZE): real ranks, the real inter-node engine (torch's gloo), and no
-shared memory at all. What works across nodes today: every standard collective on CPU
-tensors (gloo runs them) and FSDP2 on its stock path, bitwise equal to stock FSDP2 on a
-gloo group. TIDE's own collectives across nodes are not wired yet (docs/status.md)."""
+(TIDE_LOCAL_WORLD_SIZE): real ranks, the real inter-node engine (torch's gloo), shared
+memory only within a node (checked: ranks of different nodes map no common memfd). What
+runs across nodes today: every standard collective on CPU tensors (gloo runs them), and
+FSDP2 with TIDE-AG across nodes (the two-level schedule: gloo between nodes, node peers'
+storages within) and FSDP2's stock reduce-scatter, bitwise equal to stock FSDP2 on a gloo
+group."""
 from __future__ import annotations
 
 import pytest
@@ -14,6 +16,21 @@ from dist_harness import run_ranks
 def tide_mappings():
     with open("/proc/self/maps") as f:
         return [line.split()[-2] for line in f if "memfd:tide" in line]
+
+
+def memfd_inodes():
+    """The tide memfds this process maps, by inode (unique per memfd)."""
+    with open("/proc/self/maps") as f:
+        return {int(line.split()[4]) for line in f if "memfd:tide" in line}
+
+
+def assert_memory_stays_in_nodes(inodes, local):
+    for a, ia in enumerate(inodes):
+        for b, ib in enumerate(inodes):
+            if a // local != b // local:
+                assert not ia & ib, f"ranks {a} and {b} (different nodes) map the same memfds {ia & ib}"
+            elif a != b and local > 1:
+                assert ia & ib, f"ranks {a} and {b} (one node) share no memory"
 
 
 def collectives_worker(rank, ws, want_nodes):
@@ -51,17 +68,16 @@ def collectives_worker(rank, ws, want_nodes):
     dist.all_gather(outs, torch.arange(5, dtype=torch.int64) + 10 * rank)
     same("all_gather", torch.cat(outs), torch.cat([torch.arange(5) + 10 * r for r in range(ws)]))
     dist.barrier()
-    if tide_mappings():
-        failures.append(f"tide shared memory mapped across pseudo-nodes: {tide_mappings()}")
-    return failures
+    return failures, memfd_inodes()
 
 
 @pytest.mark.parametrize("ws,local,nodes", [(4, 2, 2), (3, 1, 3), (6, 3, 2)])
 def test_standard_collectives_across_pseudo_nodes(monkeypatch, ws, local, nodes):
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
-    failures = run_ranks(collectives_worker, ws, nodes)
-    flat = [f"rank {r}: {m}" for r, fs in enumerate(failures) for m in fs]
+    results = run_ranks(collectives_worker, ws, nodes)
+    flat = [f"rank {r}: {m}" for r, (fs, _) in enumerate(results) for m in fs]
     assert not flat, "\n".join(flat)
+    assert_memory_stays_in_nodes([inodes for _, inodes in results], local)
 
 
 def test_one_pseudo_node_is_the_host_transport(monkeypatch):
@@ -75,29 +91,41 @@ def _one_node_worker(rank, ws):
     return dist.group.WORLD._get_backend(torch.device("cpu")).num_nodes(), bool(tide_mappings())
 
 
-def test_fsdp2_across_pseudo_nodes_matches_stock_on_gloo(monkeypatch):
-    """2 pseudo-nodes of 2 ranks: FSDP2 takes its stock path (one warning says why) and
-    trains bitwise as stock FSDP2 on a gloo group."""
+@pytest.mark.parametrize("ws,local", [(4, 2), (6, 2), (6, 3), (3, 1)])
+def test_fsdp2_across_pseudo_nodes_matches_stock_on_gloo(monkeypatch, ws, local):
+    """FSDP2 on pseudo-nodes: TIDE-AG across nodes (gloo between them, node peers within),
+    the stock reduce-scatter (one warning says why); fp32 parameters bitwise equal to stock
+    FSDP2 on a gloo group; the inter-node bytes went through the engine; no layout copy of
+    the all-gather in the profiler."""
     from test_fsdp_zero_copy import assert_params_equal, train_worker
 
-    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "2")
-    tide = run_ranks(_warned_train_worker, 4)
-    gloo = run_ranks(train_worker, 4, False, backend="gloo")
-    for r in range(4):
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
+    tide = run_ranks(_pseudo_node_train_worker, ws)
+    gloo = run_ranks(train_worker, ws, False, backend="gloo")
+    for r in range(ws):
         stats, warned = tide[r]["stats"], tide[r]["warned"]
-        assert stats["zero_copy_all_gather"] == 0 and stats["stock_all_gather"] > 0, stats
-        assert any("spans 2 nodes" in w for w in warned), warned
+        assert stats["zero_copy_all_gather"] > 0 and stats["stock_all_gather"] == 0, stats
+        assert stats["stock_reduce_scatter"] > 0, stats
+        assert any(f"spans {ws // local} nodes" in w and "reduce-scatter" in w for w in warned), warned
+        assert tide[r]["inter_node_bytes"] > 0
+        copies = {n for n in tide[r]["names"] if "all_gather_copy_in" in n or "split_with_sizes_copy" in n}
+        assert not copies, copies
     assert tide[0]["losses"] == gloo[0]["losses"]
-    assert_params_equal(tide[0]["params"], gloo[0]["params"], "tide over 2 pseudo-nodes vs stock on gloo")
+    assert_params_equal(tide[0]["params"], gloo[0]["params"], f"tide over {ws // local} pseudo-nodes vs stock on gloo")
+    assert_memory_stays_in_nodes([t["inodes"] for t in tide], local)
 
 
-def _warned_train_worker(rank, ws):
+def _pseudo_node_train_worker(rank, ws):
     import warnings
+
+    import torch.distributed as dist
 
     from test_fsdp_zero_copy import train_worker
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_worker(rank, ws, True)
+        result = train_worker(rank, ws, True, profile=True)
     result["warned"] = [str(w.message) for w in caught if "tide" in str(w.message)]
+    result["inter_node_bytes"] = dist.group.WORLD._get_backend(torch.device("cpu")).inter_node_bytes_sent()
+    result["inodes"] = memfd_inodes()
     return result

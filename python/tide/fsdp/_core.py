@@ -90,11 +90,17 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _why_not_nodes(backend):
-    """None on a group of one node, else why TIDE's path does not serve it."""
+def _why_not_nodes(backend, device, collective):
+    """None where TIDE's `collective` serves the group's nodes, else why not. Across nodes
+    TIDE-AG runs on CPU tensors (the two-level schedule over gloo); TIDE-RS does not yet."""
     nodes = backend.num_nodes()
-    return None if nodes == 1 else (f"the group spans {nodes} nodes, and TIDE's collectives "
-                                    f"across nodes are not built yet (CPU: gloo runs them)")
+    if nodes == 1:
+        return None
+    if collective == "reduce_scatter" or device.type != "cpu":
+        return (f"the group spans {nodes} nodes, and TIDE's {collective.replace('_', '-')} across "
+                f"nodes {'on CUDA ' if device.type != 'cpu' else ''}is not built yet")
+    why = backend.why_not_across_nodes()
+    return f"the group spans {nodes} nodes and {why}" if why else None
 
 
 def _why_not_cuda(backend, device):
@@ -111,7 +117,7 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
 
     if backend is None:
         return "not a tide group (or CUDA tensors with a tide built without CUDA)"
-    if (why := _why_not_nodes(backend)) is not None:
+    if (why := _why_not_nodes(backend, device, "all_gather")) is not None:
         return why
     if (why := _why_not_cuda(backend, device)) is not None:
         return why
@@ -199,6 +205,11 @@ def _group_state(fsdp_params, group, backend, device):
     if any(fp._sharded_param_data.storage_offset() != 0 for fp in fsdp_params):
         return None, "a sharded parameter that does not start its storage (storage_offset != 0)"
     dtype = dtypes.pop()
+    homeable = device.type == "cpu" and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params)
+    across_nodes = backend.num_nodes() > 1
+    if across_nodes and not homeable:
+        # Node peers read each other's unsharded storages: they must be symmetric memory.
+        return None, "the unsharded parameters were allocated before TIDE's first all-gather"
     offsets, total = [], 0
     for fp in fsdp_params:
         offsets.append(total)
@@ -219,7 +230,7 @@ def _group_state(fsdp_params, group, backend, device):
         # The unsharded storages come from a symmetric pool (python/tide/_pool.py), so that
         # vacated ones can hold the reduce-scatter's staging.
         state.pool = _cuda_pool(backend, device, state)
-    elif slot_reuse and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params):
+    elif (slot_reuse or across_nodes) and homeable:
         _home_unsharded_storages(state, group, backend)
     for fp in fsdp_params:
         fp._tide_state = state
@@ -473,7 +484,7 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     elif not (reduce_dtype == grad_dtype
               or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
         why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
-    elif (nodes_why := _why_not_nodes(backend)) is not None:
+    elif (nodes_why := _why_not_nodes(backend, device, "reduce_scatter")) is not None:
         why = nodes_why
     elif (cuda_why := _why_not_cuda(backend, device)) is not None:
         why = cuda_why

@@ -1,0 +1,35 @@
+#include "GlooEngine.hpp"
+
+#include <ATen/ATen.h>
+
+#include "tide/error.hpp"
+
+namespace tide::torch_backend {
+namespace {
+// A tag of its own, so TIDE's messages never match a user's send/recv on the same gloo group.
+constexpr int kTag = 0x7d1e;
+
+at::Tensor bytes(const void* data, size_t n) {
+  return at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
+}
+}  // namespace
+
+void GlooEngine::exchange(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const tide::EngineSend& s : sends) {
+    std::vector<at::Tensor> t{bytes(s.data, s.bytes)};
+    works.push_back(gloo_->send(t, s.peer, kTag));
+    bytes_sent_ += static_cast<int64_t>(s.bytes);
+  }
+  for (const tide::EngineRecv& r : recvs) {
+    std::vector<at::Tensor> t{bytes(r.data, r.bytes)};
+    works.push_back(gloo_->recv(t, r.peer, kTag));
+  }
+  try {
+    for (auto& w : works) w->wait(timeout_);
+  } catch (const std::exception& e) {
+    throw tide::TimeoutError(detail::concat("tide inter-node exchange over gloo failed: ", e.what()));
+  }
+}
+
+}  // namespace tide::torch_backend

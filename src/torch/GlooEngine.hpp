@@ -1,0 +1,24 @@
+// The inter-node engine on CPUs: torch's own gloo backend (the group's CPU delegate across
+// nodes). Sends and receives go straight from and into the caller's byte ranges.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "tide/engine.hpp"
+
+namespace tide::torch_backend {
+
+class GlooEngine final : public tide::Engine {
+ public:
+  GlooEngine(c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout)
+      : gloo_(std::move(gloo)), timeout_(timeout) {}
+  const char* name() const override { return "gloo"; }
+  void exchange(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs) override;
+  int64_t bytes_sent() const { return bytes_sent_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::chrono::milliseconds timeout_;
+  int64_t bytes_sent_ = 0;
+};
+
+}  // namespace tide::torch_backend
