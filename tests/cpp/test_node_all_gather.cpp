@@ -154,7 +154,7 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
         for (int64_t e : expand(g.params[p].shards[owner].placement))
           element(owner, static_cast<int>(p), i++, es, ref.data() + static_cast<size_t>(e) * es);
       }
-      ASSERT_EQ(std::memcmp(ref.data(), w.storage[r][p].data(), ref.size()), 0)
+      ASSERT_TRUE(ref == w.storage[r][p])
           << "rank " << r << " param " << p << " (" << topo.num_nodes << " nodes x " << topo.local_size
           << ", " << es << "-byte storage)";
     }

@@ -108,6 +108,9 @@ def test_fsdp2_across_pseudo_nodes_matches_stock_on_gloo(monkeypatch, ws, local)
         assert stats["stock_reduce_scatter"] > 0, stats
         assert any(f"spans {ws // local} nodes" in w and "reduce-scatter" in w for w in warned), warned
         assert tide[r]["inter_node_bytes"] > 0
+        # TIDE_DEBUG names the path of each level and the engine
+        assert f"across {ws // local} nodes: inter-node over gloo" in tide[r]["log"], tide[r]["log"]
+        assert "reduce-scatter: stock FSDP2 path" in tide[r]["log"], tide[r]["log"]
         copies = {n for n in tide[r]["names"] if "all_gather_copy_in" in n or "split_with_sizes_copy" in n}
         assert not copies, copies
     assert tide[0]["losses"] == gloo[0]["losses"]
@@ -124,7 +127,7 @@ def _pseudo_node_train_worker(rank, ws):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_worker(rank, ws, True, profile=True)
+        result = train_worker(rank, ws, True, profile=True, debug_log=True)
     result["warned"] = [str(w.message) for w in caught if "tide" in str(w.message)]
     result["inter_node_bytes"] = dist.group.WORLD._get_backend(torch.device("cpu")).inter_node_bytes_sent()
     result["inodes"] = memfd_inodes()

@@ -400,8 +400,11 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
         if not async_op:
             work.wait()
             work = None
-    _debug(f"all-gather: zero-copy on {device.type}, {len(fsdp_params)} params into their "
-           "own storage")
+    nodes = backend.num_nodes()
+    path = (f"across {nodes} nodes: inter-node over gloo (paced recursive doubling), node-local "
+            f"from the node's peers" if nodes > 1 else "node-local")
+    _debug(f"all-gather: zero-copy on {device.type}, {path}, {len(fsdp_params)} params into "
+           "their own storage")
     stats["zero_copy_all_gather"] += 1
     marker = torch.empty(0)
     marker._tide_zero_copy = True
