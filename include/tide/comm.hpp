@@ -22,6 +22,9 @@
 
 namespace tide {
 
+class Engine;  // include/tide/engine.hpp
+struct AcrossNodes;
+
 struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   int num_threads = 0;        // copy/reduce threads per rank; 0: TIDE_NUM_THREADS or a default
@@ -43,6 +46,9 @@ struct CommOptions {
 struct ReduceArgs {
   ReduceOp op = ReduceOp::sum;
   double premul_factor = 1.0;  // used by ReduceOp::premul_sum only
+  // ReduceOp::avg: the number of contributors when the sources are partial sums of several
+  // (TIDE-RS across nodes); 0: the number of sources.
+  size_t avg_divisor = 0;
 };
 
 // Memory that every rank of a communicator maps: rank r's part is peer(r), local() is this
@@ -86,7 +92,9 @@ struct ParamAllGather {
 // Two phases per pipeline chunk: phase 1 copies this rank's slices into staging, phase 2
 // every rank reduces its slices from all ranks' staging, in rank order 0..n-1 (fp32
 // accumulation: bitwise reproducible), straight into its output. Staging is bounded and
-// independent of the world size.
+// independent of the world size. Across nodes (`nodes`), the order is: each node's ranks in
+// order into an fp32 partial, then the partials in node order (the same as rank order when
+// each node has one rank).
 struct ParamReduceScatter {
   const plan::GroupLayout* layout = nullptr;
   std::span<const void* const> grads;
@@ -100,6 +108,17 @@ struct ParamReduceScatter {
   // (plan::assign_staging_slots) use the communicator's own staging.
   SymmetricBuffer* reuse = nullptr;
   std::span<const plan::Region> reuse_regions;
+  // Across nodes (null: one host): the communicator is one node of the group `nodes`
+  // describes, and the layout is the whole group's (src/collectives/node_reduce_scatter.cpp).
+  const AcrossNodes* nodes = nullptr;
+};
+
+// A group over several nodes as TIDE-RS sees it from one node's communicator: the node's
+// ranks are topology's ranks of that node, in order.
+struct AcrossNodes {
+  const plan::Topology* topology = nullptr;
+  int rank = 0;              // this rank in the whole group
+  Engine* engine = nullptr;  // moves the node partials between nodes
 };
 
 // What the last param_reduce_scatter did with its staging (for tests and TIDE_DEBUG).
@@ -108,6 +127,7 @@ struct StagingReport {
   int num_slots = 0;
   int reused_slots = 0;       // placed in vacated all-gather storage
   size_t fallback_bytes = 0;  // in the communicator's own staging
+  size_t partial_bytes = 0;   // across nodes: the fp32 node partials sent and received
 };
 
 class Comm {

@@ -181,6 +181,10 @@ struct NodeAllGatherSchedule {
 };
 NodeAllGatherSchedule node_allgather_schedule(const GroupLayout& layout, const Topology& topology,
                                               int64_t pace_bytes);
+// The pace to plan with when blocks travel as storage_elem_size-byte elements: schedules
+// pace in the parameters' own element size, so a wider storage dtype fits fewer elements
+// per round (and a round holds at least one element of the widest parameter).
+int64_t planner_pace(const GroupLayout& layout, int64_t pace_bytes, int64_t storage_elem_size);
 
 // ---- Two-phase reduce-scatter pipeline (rs_pipeline.cpp) ----------------------------------
 

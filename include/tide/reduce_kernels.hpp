@@ -14,9 +14,10 @@ namespace tide {
 // src == dst, or src bf16/f16 with dst f32; avg/premul_sum need a non-bool type.
 void check_reduce(const char* collective, int rank, DType src, DType dst, ReduceOp op);
 
-// dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) for i < count. avg divides by n; premul_sum
-// multiplies each source by args.premul_factor first. dst may alias a source (the same
-// elements), never overlap it partially.
+// dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) for i < count. avg divides by n (or by
+// args.avg_divisor); premul_sum multiplies each source by args.premul_factor first. dst may
+// alias a source (the same elements), never overlap it partially. Besides the pairs
+// check_reduce accepts, f32 sources reduce into bf16/f16 (rounded once).
 void reduce_kernel(void* dst, DType dst_dtype, const void* const* srcs, size_t n, DType src_dtype,
                    size_t count, ReduceArgs args);
 

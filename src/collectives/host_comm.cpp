@@ -11,6 +11,7 @@
 #include "../core/convert.hpp"
 #include "../core/env.hpp"
 #include "algorithms.hpp"
+#include "tide/engine.hpp"
 #include "tide/error.hpp"
 #include "tide/hash.hpp"
 #include "tide/host_transport.hpp"
@@ -281,15 +282,16 @@ class HostComm final : public Comm {
                    "]=", a.out_offsets[p]);
       }
       check_ptr(name, a.out, d.count, "out");
+      if (a.nodes) check_nodes(name, *a.nodes);
     }, [&] {
-      check_layout_agreed(name, a.layout);
+      check_layout_agreed(name, a.layout, a.nodes ? a.nodes->topology->world_size : ws_);
       if (a.reuse)
         for (const plan::Region& r : a.reuse_regions)
           for (int q = 0; q < ws_; ++q)
             TIDE_CHECK(r.offset >= 0 && r.bytes >= 0 && static_cast<size_t>(r.offset + r.bytes) <= a.reuse->bytes(q),
                        "tide param_reduce_scatter: Slot-Reuse region [", r.offset, ", ", r.offset + r.bytes,
                        ") is outside rank ", q, "'s reuse buffer of ", a.reuse->bytes(q), " bytes");
-      report = algo::param_reduce_scatter(ctx_, a);
+      report = a.nodes ? algo::node_param_reduce_scatter(ctx_, a) : algo::param_reduce_scatter(ctx_, a);
     });
     return report;
   }
@@ -410,12 +412,23 @@ class HostComm final : public Comm {
     TIDE_CHECK(l != nullptr, "tide ", name, ": rank ", rank_, " passed no layout");
   }
   // After the descriptor check (so every rank reaches the same verdict).
-  void check_layout_agreed(const char* name, const plan::GroupLayout* l) const {
-    TIDE_CHECK(l->world_size == ws_, "tide ", name, ": rank ", rank_, " passed a layout for world_size=",
-               l->world_size, " to a communicator of world_size=", ws_);
+  // group_ws: the world size of the group the layout is for (across nodes, larger than ws_).
+  void check_layout_agreed(const char* name, const plan::GroupLayout* l, int group_ws = 0) const {
+    if (group_ws == 0) group_ws = ws_;
+    TIDE_CHECK(l->world_size == group_ws, "tide ", name, ": rank ", rank_, " passed a layout for world_size=",
+               l->world_size, " to a group of world_size=", group_ws);
     for (size_t p = 0; p < l->params.size(); ++p)
-      TIDE_CHECK(l->params[p].shards.size() == static_cast<size_t>(ws_), "tide ", name, ": rank ", rank_,
-                 ": parameter ", p, " of the layout has ", l->params[p].shards.size(), " shards, expected ", ws_);
+      TIDE_CHECK(l->params[p].shards.size() == static_cast<size_t>(group_ws), "tide ", name, ": rank ", rank_,
+                 ": parameter ", p, " of the layout has ", l->params[p].shards.size(), " shards, expected ",
+                 group_ws);
+  }
+  // Across nodes: this communicator is the node of nodes.rank in nodes.topology.
+  void check_nodes(const char* name, const AcrossNodes& n) const {
+    TIDE_CHECK(n.topology && n.engine, "tide ", name, ": rank ", rank_, ": across nodes without a topology or engine");
+    const plan::Topology& t = *n.topology;
+    TIDE_CHECK(t.local_size == ws_ && n.rank >= 0 && n.rank < t.world_size && t.local_rank(n.rank) == rank_,
+               "tide ", name, ": rank ", n.rank, " (local rank ", rank_, " of ", ws_, ") does not fit a topology of ",
+               t.num_nodes, " nodes x ", t.local_size, " ranks");
   }
 
   void check_root(const char* name, int root) const {

@@ -3,9 +3,13 @@
 // rails' blocks from the node's peers. Every block lands at its placement and is forwarded
 // from there; each inter-node hop moves a block once (contiguous blocks go straight from
 // the sender's storage into the receiver's).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "../core/convert.hpp"
+#include "../core/env.hpp"
+#include "tide/dtype.hpp"
 #include "tide/engine.hpp"
 #include "tide/error.hpp"
 
@@ -13,6 +17,17 @@ namespace tide {
 namespace {
 
 bool contiguous(const plan::Strided& p) { return p.count <= 1 || p.run == p.stride; }
+
+// Copies block `pat` (elements of es bytes) to dst from src, each side either where the
+// block lies in a storage (placed) or packed from the start of a buffer.
+enum class At { placed, packed };
+void copy_block(std::byte* dst, At dst_at, const std::byte* src, At src_at, const plan::Strided& pat, size_t es) {
+  auto at = [&](At where, int64_t k) {
+    return static_cast<size_t>(where == At::placed ? pat.offset + k * pat.stride : k * pat.run) * es;
+  };
+  for (int64_t k = 0; k < pat.count; ++k)
+    std::memcpy(dst + at(dst_at, k), src + at(src_at, k), static_cast<size_t>(pat.run) * es);
+}
 
 }  // namespace
 
@@ -29,17 +44,15 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   // (never the words' initial 0). A node-local copy runs once its source has published the
   // step after which it holds the block.
   auto reached = [&](int after_step) { return a.progress_base + static_cast<uint64_t>(after_step + 2); };
+  // This rank's node-local copies, by the inter-node step after which their source has them.
+  std::vector<std::vector<const plan::NodeLocalCopy*>> copies_after(s.inter_node.steps.size() + 1);
+  for (const plan::NodeLocalCopy& c : s.node_local)
+    if (c.block.dst_rank == me) copies_after[static_cast<size_t>(c.after_step + 1)].push_back(&c);
   auto local_copies = [&](int after_step) {
-    for (const plan::NodeLocalCopy& c : s.node_local) {
-      if (c.block.dst_rank != me || c.after_step != after_step) continue;
-      peers.await(c.block.src_rank, reached(after_step));
-      const std::byte* src = peers.storage(c.block.src_rank, c.block.param);
-      std::byte* dst = mine(c.block.param);
-      for (const plan::Strided& pat : c.block.storage)
-        for (int64_t k = 0; k < pat.count; ++k) {
-          const size_t at = static_cast<size_t>(pat.offset + k * pat.stride) * es;
-          std::memcpy(dst + at, src + at, static_cast<size_t>(pat.run) * es);
-        }
+    for (const plan::NodeLocalCopy* c : copies_after[static_cast<size_t>(after_step + 1)]) {
+      peers.await(c->block.src_rank, reached(after_step));
+      const std::byte* src = peers.storage(c->block.src_rank, c->block.param);
+      for (const plan::Strided& pat : c->block.storage) copy_block(mine(c->block.param), At::placed, src, At::placed, pat, es);
     }
   };
 
@@ -79,10 +92,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
           }
           std::vector<std::byte>& buf = packed.emplace_back(bytes);
           if (sending) {
-            for (int64_t c = 0; c < pat.count; ++c)
-              std::memcpy(buf.data() + static_cast<size_t>(c * pat.run) * es,
-                          base + static_cast<size_t>(pat.offset + c * pat.stride) * es,
-                          static_cast<size_t>(pat.run) * es);
+            copy_block(buf.data(), At::packed, base, At::placed, pat, es);
             sends.push_back({peer, buf.data(), bytes});
           } else {
             recvs.push_back({peer, buf.data(), bytes});
@@ -91,10 +101,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
         }
       }
       engine.exchange(sends, recvs);
-      for (const Unpack& u : unpacks)
-        for (int64_t c = 0; c < u.pat.count; ++c)
-          std::memcpy(u.storage + static_cast<size_t>(u.pat.offset + c * u.pat.stride) * es,
-                      u.from + static_cast<size_t>(c * u.pat.run) * es, static_cast<size_t>(u.pat.run) * es);
+      for (const Unpack& u : unpacks) copy_block(u.storage, At::placed, u.from, At::packed, u.pat, es);
     }
     peers.publish(reached(static_cast<int>(k)));
     local_copies(static_cast<int>(k));
@@ -102,14 +109,6 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   peers.barrier();
   return reached(static_cast<int>(s.inter_node.steps.size()) - 1);
 }
-
-}  // namespace tide
-
-#include "../core/convert.hpp"
-#include "../core/env.hpp"
-#include "tide/dtype.hpp"
-
-namespace tide {
 
 void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology& topo, int rank,
                                    size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress) {
@@ -126,14 +125,8 @@ void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology
                      src + static_cast<size_t>(c * pl.run) * dtype_size(a.shard_dtype), a.shard_dtype,
                      static_cast<size_t>(pl.run));
   }
-  // The planner paces in its parameters' element size; blocks travel in the storage dtype.
-  int64_t widen = 1, widest = 1;
-  for (const plan::ParamLayout& p : layout.params) {
-    widen = std::max<int64_t>(widen, (static_cast<int64_t>(es) + p.elem_size - 1) / p.elem_size);
-    widest = std::max<int64_t>(widest, p.elem_size);
-  }
   const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
-      layout, topo, std::max<int64_t>(widest, static_cast<int64_t>(pace_bytes) / widen));
+      layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)));
   progress = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress}, engine, peers);
 }
 

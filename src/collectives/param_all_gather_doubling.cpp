@@ -40,16 +40,9 @@ void param_all_gather_doubling(Ctx& c, const ParamAllGather& a, size_t pace_byte
   t.convert(ops, a.storage_dtype, a.shard_dtype);
   if (ws == 1) return;
 
-  // The planner paces by its parameters' element size; blocks travel in storage dtype,
-  // which may be wider (then fewer elements fit a round).
-  int64_t widen = 1, widest = 1;
-  for (const plan::ParamLayout& p : layout.params) {
-    widen = std::max<int64_t>(widen, (static_cast<int64_t>(es) + p.elem_size - 1) / p.elem_size);
-    widest = std::max<int64_t>(widest, p.elem_size);
-  }
   const size_t pace = std::min(pace_bytes ? pace_bytes : t.slot_bytes(), t.slot_bytes());
   const plan::AllGatherSchedule schedule =
-      plan::allgather_schedule(layout, std::max<int64_t>(widest, static_cast<int64_t>(pace) / widen));
+      plan::allgather_schedule(layout, plan::planner_pace(layout, static_cast<int64_t>(pace), static_cast<int64_t>(es)));
 
   for (const plan::Step& step : schedule.steps) {
     const int from = ((me - step.distance) % ws + ws) % ws;

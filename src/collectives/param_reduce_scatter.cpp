@@ -18,21 +18,65 @@
 
 namespace tide::algo {
 
-StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
-  Transport& t = c.t;
-  const int me = c.rank(), ws = c.ws();
-  const plan::GroupLayout& layout = *a.layout;
-  const size_t np = layout.params.size();
-  const size_t ges = dtype_size(a.grad_dtype), oes = dtype_size(a.out_dtype);
-
-  // Padding of my shards: zero (what FSDP2's reduce of zero-padded inputs gives).
-  for (size_t p = 0; p < np; ++p) {
-    const plan::ParamLayout& pl = layout.params[p];
-    const int64_t n = pl.shards[me].numel;
+void zero_shard_padding(const ParamReduceScatter& a, int rank) {
+  const size_t oes = dtype_size(a.out_dtype);
+  for (size_t p = 0; p < a.layout->params.size(); ++p) {
+    const plan::ParamLayout& pl = a.layout->params[p];
+    const int64_t n = pl.shards[rank].numel;
     if (pl.padded_shard_numel > n)
       std::memset(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[p] + n) * oes, 0,
                   static_cast<size_t>(pl.padded_shard_numel - n) * oes);
   }
+}
+
+RsSlots place_rs_slots(const Ctx& c, const ParamReduceScatter& a, StagingReport& report) {
+  const int n_slots = c.t.num_slots();
+  RsSlots slots{std::vector<int64_t>(static_cast<size_t>(n_slots), -1)};
+  if (a.reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
+    std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
+    for (auto& r : regions) r.base_id = 0;  // all are ranges of `reuse`
+    const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : 64;
+    plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
+                                                       report.num_slots, align);
+    // The pipeline's i-th step (i < num_slots) takes transport slot (step + 1 + i) % n_slots.
+    for (int i = 0; i < report.num_slots; ++i) {
+      const int idx = static_cast<int>((c.step + 1 + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots));
+      if (homes.slots[i].reused) {
+        slots.reuse_offset[idx] = homes.slots[i].offset;
+        ++report.reused_slots;
+      }
+    }
+  }
+  report.fallback_bytes = static_cast<size_t>(report.num_slots - report.reused_slots) * report.slot_bytes;
+  return slots;
+}
+
+void stage_slices(std::vector<StridedCopy>& ops, std::byte* dst, const std::byte* grad,
+                  const std::vector<plan::Strided>& slices, size_t elem_size) {
+  for (const plan::Strided& pat : slices) {
+    StridedCopy op;
+    op.dst = dst;
+    op.src = grad + static_cast<size_t>(pat.offset) * elem_size;
+    op.run = static_cast<size_t>(pat.run);
+    op.count = static_cast<size_t>(pat.count);
+    op.dst_stride = op.run;
+    op.src_stride = static_cast<size_t>(pat.stride);
+    if (op.count == 1 || pat.run == pat.stride) {
+      op.run *= op.count;
+      op.count = 1;
+    }
+    ops.push_back(op);
+    dst += static_cast<size_t>(pat.numel()) * elem_size;
+  }
+}
+
+StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
+  Transport& t = c.t;
+  const int me = c.rank(), ws = c.ws();
+  const plan::GroupLayout& layout = *a.layout;
+  const size_t ges = dtype_size(a.grad_dtype), oes = dtype_size(a.out_dtype);
+
+  zero_shard_padding(a, me);
 
   StagingReport report;
   report.slot_bytes = t.slot_bytes();
@@ -44,26 +88,8 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
       layout, {static_cast<int64_t>(piece), n_slots, static_cast<int64_t>(ges)});
   report.num_slots = pipe.num_slots;
 
-  // Slot homes, by slot index (step % n_slots): every rank computes the same ones.
-  std::vector<int64_t> reuse_off(n_slots, -1);
-  if (a.reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
-    std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
-    for (auto& r : regions) r.base_id = 0;  // all are ranges of `reuse`
-    const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : 64;
-    plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
-                                                       report.num_slots, align);
-    for (int i = 0; i < report.num_slots; ++i) {
-      const int idx = static_cast<int>((c.step + 1 + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots));
-      if (homes.slots[i].reused) {
-        reuse_off[idx] = homes.slots[i].offset;
-        ++report.reused_slots;
-      }
-    }
-  }
-  report.fallback_bytes = static_cast<size_t>(report.num_slots - report.reused_slots) * report.slot_bytes;
-  auto slot_of = [&](int rank, int idx) -> std::byte* {
-    return reuse_off[idx] >= 0 ? a.reuse->peer(rank) + reuse_off[idx] : t.peer(rank, idx);
-  };
+  const RsSlots slots = place_rs_slots(c, a, report);
+  auto slot_of = [&](int rank, int idx) { return slots.at(t, a.reuse, rank, idx); };
 
   std::vector<StridedCopy> ops;
   std::vector<const void*> srcs(ws);
@@ -90,22 +116,7 @@ StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
         mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
         if (direct) continue;
       }
-      std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
-      for (const plan::Strided& pat : pats) {
-        StridedCopy op;
-        op.dst = dst;
-        op.src = grad + static_cast<size_t>(pat.offset) * ges;
-        op.run = static_cast<size_t>(pat.run);
-        op.count = static_cast<size_t>(pat.count);
-        op.dst_stride = op.run;
-        op.src_stride = static_cast<size_t>(pat.stride);
-        if (op.count == 1 || pat.run == pat.stride) {
-          op.run *= op.count;
-          op.count = 1;
-        }
-        ops.push_back(op);
-        dst += static_cast<size_t>(pat.numel()) * ges;
-      }
+      stage_slices(ops, my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges, grad, pats, ges);
     }
     t.convert(ops, a.grad_dtype, a.grad_dtype);
     t.post(Flag::ready(), c.step);

@@ -106,7 +106,7 @@ template <K k, class A> inline A combine(A a, A b) {
 
 // pre: 0 none, 1 multiply by factor, 2 bool (x != 0); post: 0 none, 1 divide by n, 2 bool.
 template <K k, int pre, int post, class S, class D, class A>
-void run(D* dst, const S* const* srcs, size_t n, size_t count, A factor) {
+void run(D* dst, const S* const* srcs, size_t n, size_t count, A factor, size_t divisor = 0) {
   A acc[kBlock];
   auto in = [&](S x) -> A {
     A v = load<A, S>(x);
@@ -124,7 +124,7 @@ void run(D* dst, const S* const* srcs, size_t n, size_t count, A factor) {
     }
     D* d = dst + base;
     if constexpr (post == 1) {
-      const A div = static_cast<A>(n);
+      const A div = static_cast<A>(divisor ? divisor : n);
       for (size_t i = 0; i < m; ++i) d[i] = store<D, A>(acc[i] / div);
     } else if constexpr (post == 2) {
       for (size_t i = 0; i < m; ++i) d[i] = static_cast<D>(acc[i] != 0);
@@ -141,7 +141,7 @@ void dispatch_op(void* dst, const void* const* srcs, size_t n, size_t count, Red
   const A f = static_cast<A>(args.premul_factor);
   switch (args.op) {
     case ReduceOp::sum: return run<K::sum, 0, 0, S, D, A>(d, s, n, count, f);
-    case ReduceOp::avg: return run<K::sum, 0, 1, S, D, A>(d, s, n, count, f);
+    case ReduceOp::avg: return run<K::sum, 0, 1, S, D, A>(d, s, n, count, f, args.avg_divisor);
     case ReduceOp::max: return run<K::max, 0, 0, S, D, A>(d, s, n, count, f);
     case ReduceOp::min: return run<K::min, 0, 0, S, D, A>(d, s, n, count, f);
     case ReduceOp::product: return run<K::prod, 0, 0, S, D, A>(d, s, n, count, f);
@@ -192,7 +192,10 @@ void reduce_kernel(void* dst, DType dst_dtype, const void* const* srcs, size_t n
   if (count == 0 || n == 0) return;
   if (src_dtype != dst_dtype) {  // mixed precision: bf16/f16 -> f32
     if (src_dtype == DType::bf16) return dispatch_op<bf16_t, float, float>(dst, srcs, n, count, args);
-    return dispatch_op<f16_t, float, float>(dst, srcs, n, count, args);
+    if (src_dtype == DType::f16) return dispatch_op<f16_t, float, float>(dst, srcs, n, count, args);
+    // fp32 partial sums into bf16/f16 (TIDE-RS across nodes, whose partials are fp32)
+    if (dst_dtype == DType::bf16) return dispatch_op<float, bf16_t, float>(dst, srcs, n, count, args);
+    return dispatch_op<float, f16_t, float>(dst, srcs, n, count, args);
   }
   switch (src_dtype) {
     case DType::f32: return dispatch_op<float, float, float>(dst, srcs, n, count, args);

@@ -87,6 +87,15 @@ int floor_log2(int v) {
 
 }  // namespace
 
+int64_t planner_pace(const GroupLayout& layout, int64_t pace_bytes, int64_t storage_elem_size) {
+  int64_t widen = 1, widest = 1;
+  for (const ParamLayout& p : layout.params) {
+    widen = std::max<int64_t>(widen, (storage_elem_size + p.elem_size - 1) / p.elem_size);
+    widest = std::max<int64_t>(widest, p.elem_size);
+  }
+  return std::max<int64_t>(widest, pace_bytes / widen);
+}
+
 AllGatherSchedule allgather_schedule(const GroupLayout& layout, int64_t pace_bytes) {
   check_pace(layout, pace_bytes);
   std::vector<int> all(static_cast<size_t>(layout.world_size));

@@ -813,8 +813,8 @@ std::string ProcessGroupTide::why_not_across_nodes() const {
 
 void ProcessGroupTide::require_one_node(const char* op) const {
   TORCH_CHECK(comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
-              " nodes; TIDE's FSDP2 collectives across nodes are not built yet (tide.fsdp keeps "
-              "FSDP2's stock path on such groups)");
+              " nodes; across nodes, TIDE's FSDP2 collectives run on CPU tensors only so far (tide.fsdp keeps "
+              "FSDP2's stock path for CUDA tensors on such groups)");
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<at::Tensor>& tensors,
@@ -1000,7 +1000,19 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
     std::shared_ptr<tide::SymmetricBuffer> reuse,
     std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
-  require_one_node("param_reduce_scatter");
+  if (!comm_) {
+    const std::string why = why_not_across_nodes();
+    TORCH_CHECK(why.empty(), "tide param_reduce_scatter: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
+    TORCH_CHECK(!out.defined() || !out.is_cuda(), "tide param_reduce_scatter: rank ", getRank(),
+                ": CUDA tensors across nodes are not supported yet");
+    // Slot-Reuse memory across nodes is node-symmetric: the node's communicator indexes it by local rank.
+    if (reuse) {
+      auto* node_reuse = dynamic_cast<NodeSymmetric*>(reuse.get());
+      TORCH_CHECK(node_reuse, "tide param_reduce_scatter: rank ", getRank(),
+                  ": across nodes, Slot-Reuse memory must come from this group's allocate_symmetric");
+      reuse = node_reuse->inner();
+    }
+  }
   OpContext ctx{"param_reduce_scatter", getRank()};
   std::vector<tide::plan::Region> regions;
   for (auto [offset, bytes] : reuse_regions) regions.push_back({0, offset, bytes});
@@ -1064,7 +1076,13 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
 #ifdef TIDE_WITH_CUDA
     if (device >= 0) return cuda_path().param_reduce_scatter(args, {out}, device, &last_staging_);
 #endif
-    last_staging_ = comm_->param_reduce_scatter(args);
+    if (comm_) {
+      last_staging_ = comm_->param_reduce_scatter(args);
+    } else {
+      const tide::AcrossNodes nodes{&*topology_, getRank(), engine_.get()};
+      args.nodes = &nodes;
+      last_staging_ = node_comm_->param_reduce_scatter(args);
+    }
     return {};
   };
   return [this, call, device, out]() -> c10::intrusive_ptr<c10d::Work> {

@@ -112,13 +112,8 @@ class ThreadPeers : public NodePeers {
 
 // Runs the all-gather twice (progress values carry on) and checks every rank's storages.
 void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pace_bytes) {
-  int64_t widen = 1;
-  for (const plan::ParamLayout& p : g.params)
-    widen = std::max<int64_t>(widen, (static_cast<int64_t>(es) + p.elem_size - 1) / p.elem_size);
-  int64_t widest = 1;
-  for (const plan::ParamLayout& p : g.params) widest = std::max(widest, p.elem_size);
-  const plan::NodeAllGatherSchedule schedule =
-      plan::node_allgather_schedule(g, topo, std::max(widest, pace_bytes / widen));
+  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
+      g, topo, plan::planner_pace(g, pace_bytes, static_cast<int64_t>(es)));
   World w(g, topo, es);
   std::vector<std::string> errors(static_cast<size_t>(topo.world_size));
   std::vector<std::thread> threads;

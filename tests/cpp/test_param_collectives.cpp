@@ -140,32 +140,11 @@ TEST(ParamDoubling, NonPowerOfTwoWorldSizesAndRanksDisagreeing) {
 // FSDP2's flat layout, bitwise.
 void rs_case(Rank& rk, Comm& comm, DType gd, ReduceArgs op, uint64_t tag, int reuse_mode) {
   const int ws = rk.world_size, me = rk.rank;
-  auto params = random_params(tag, ws, dtype_size(gd), (tag & 3) == 0);
-  auto layout = plan::plan_group(params, ws);
-  const size_t np = params.size(), ges = dtype_size(gd);
-  // Every rank's gradients (each rank regenerates all of them for the reference).
-  auto grad_of = [&](int r, size_t p) {
-    return random_elems(gd, numel_of(params[p].shape), mix(mix(tag, r), p + 1000));
-  };
-  std::vector<std::vector<uint8_t>> grads(np);
-  std::vector<const void*> gptr;
-  std::vector<int64_t> out_offs(np);
-  int64_t total = 0;
-  for (size_t p = 0; p < np; ++p) {
-    grads[p] = grad_of(me, p);
-    gptr.push_back(grads[p].data());
-    out_offs[p] = total;
-    total += layout.params[p].padded_shard_numel;
-  }
+  const RsCase rc(tag, ws, me, gd);
+  const auto& [params, layout, grads, out_offs, total] = std::tie(rc.params, rc.layout, rc.grads, rc.out_offs, rc.total);
+  const size_t np = params.size();
   std::vector<float> out(total + 1, 12345.0f);  // sentinel
-  ParamReduceScatter a;
-  a.layout = &layout;
-  a.grads = gptr;
-  a.grad_dtype = gd;
-  a.out = out.data();
-  a.out_offsets = out_offs;
-  a.out_dtype = DType::f32;
-  a.op = op;
+  ParamReduceScatter a = rc.args(out.data(), DType::f32, op);
   std::shared_ptr<SymmetricBuffer> reuse;
   std::vector<plan::Region> regions;
   if (reuse_mode) {
@@ -188,7 +167,7 @@ void rs_case(Rank& rk, Comm& comm, DType gd, ReduceArgs op, uint64_t tag, int re
   // (a) float64 reference, FSDP2's slicing.
   std::vector<std::vector<std::vector<uint8_t>>> all(ws);
   for (int r = 0; r < ws; ++r)
-    for (size_t p = 0; p < np; ++p) all[r].push_back(r == me ? grads[p] : grad_of(r, p));
+    for (size_t p = 0; p < np; ++p) all[r].push_back(r == me ? grads[p] : rc.grad_of(r, p));
   const double f = op.op == ReduceOp::premul_sum ? op.premul_factor : 1.0;
   for (size_t p = 0; p < np; ++p) {
     auto idx = shard_indices(params[p], ws, me);
@@ -223,7 +202,6 @@ void rs_case(Rank& rk, Comm& comm, DType gd, ReduceArgs op, uint64_t tag, int re
   comm.reduce_scatter(ins, stock.data(), total, DType::f32, DType::f32, op);
   TIDE_REQUIRE(total == 0 || std::memcmp(stock.data(), out.data(), total * 4) == 0, "param_reduce_scatter ",
                dtype_name(gd), " ", reduce_op_name(op.op), " differs bitwise from reduce_scatter on the flat layout");
-  (void)ges;
 }
 
 TEST_P(ParamCollectives, ReduceScatter) {

@@ -75,4 +75,43 @@ inline uint16_t ref_bf16(float f) {
 }
 inline uint16_t ref_f16(float f) { return std::bit_cast<uint16_t>(static_cast<_Float16>(f)); }
 
+// A random reduce-scatter case: a group's parameters, this rank's gradients, the packed
+// output offsets, and the arguments over them. Every rank can regenerate every rank's
+// gradients (grad_of) for a reference. Not movable once args() has been taken.
+struct RsCase {
+  uint64_t tag;
+  DType gd;
+  std::vector<plan::Param> params;
+  plan::GroupLayout layout;
+  std::vector<std::vector<uint8_t>> grads;  // this rank's, one per parameter
+  std::vector<const void*> gptr;
+  std::vector<int64_t> out_offs;
+  int64_t total = 0;  // output elements
+
+  RsCase(uint64_t tag_, int ws, int me, DType grad_dtype)
+      : tag(tag_), gd(grad_dtype), params(random_params(tag_, ws, dtype_size(grad_dtype), (tag_ & 3) == 0)),
+        layout(plan::plan_group(params, ws)) {
+    for (size_t p = 0; p < params.size(); ++p) {
+      grads.push_back(grad_of(me, p));
+      gptr.push_back(grads.back().data());
+      out_offs.push_back(total);
+      total += layout.params[p].padded_shard_numel;
+    }
+  }
+  std::vector<uint8_t> grad_of(int r, size_t p) const {
+    return random_elems(gd, static_cast<size_t>(numel_of(params[p].shape)), mix(mix(tag, r), p + 1000));
+  }
+  ParamReduceScatter args(void* out, DType out_dtype, ReduceArgs op) const {
+    ParamReduceScatter a;
+    a.layout = &layout;
+    a.grads = gptr;
+    a.grad_dtype = gd;
+    a.out = out;
+    a.out_offsets = out_offs;
+    a.out_dtype = out_dtype;
+    a.op = op;
+    return a;
+  }
+};
+
 }  // namespace tide::test

@@ -53,7 +53,7 @@ def batch(step, rank):
 def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False,
                  reshard=True, profile=False, hsdp=False, divide_factor=None,
                  explicit_unshard=False, slot_reuse=False, debug_log=False, late_install=False,
-                 comm_debug=False):
+                 comm_debug=False, custom_reduce_scatter=None):
     """Trains AwkwardModel with FSDP2 on the default group; returns losses and full params
     (with profile=True, the profiler's event names of the last step, and with debug_log=True
     also its events in order and what TIDE_DEBUG printed during it)."""
@@ -88,6 +88,10 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     if late_install:  # the param groups exist before TIDE is fitted into FSDP2
         assert tide.fsdp.install()
+    if custom_reduce_scatter is not None:  # a reference's own reduce-scatter (FSDP2's hook)
+        for m in model.modules():
+            if hasattr(m, "set_custom_reduce_scatter"):
+                m.set_custom_reduce_scatter(custom_reduce_scatter)
     if divide_factor is not None:
         model.set_gradient_divide_factor(divide_factor)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -2,9 +2,10 @@
 (TIDE_LOCAL_WORLD_SIZE): real ranks, the real inter-node engine (torch's gloo), shared
 memory only within a node (checked: ranks of different nodes map no common memfd). What
 runs across nodes today: every standard collective on CPU tensors (gloo runs them), and
-FSDP2 with TIDE-AG across nodes (the two-level schedule: gloo between nodes, node peers'
-storages within) and FSDP2's stock reduce-scatter, bitwise equal to stock FSDP2 on a gloo
-group."""
+FSDP2 with TIDE-AG (the two-level schedule: gloo between nodes, node peers' storages
+within) and TIDE-RS (node-local fp32 partials, then gloo along each rail) across nodes,
+bitwise equal to stock FSDP2 with a reduce-scatter that sums in TIDE-RS's documented
+order."""
 from __future__ import annotations
 
 import pytest
@@ -91,34 +92,86 @@ def _one_node_worker(rank, ws):
     return dist.group.WORLD._get_backend(torch.device("cpu")).num_nodes(), bool(tide_mappings())
 
 
-@pytest.mark.parametrize("ws,local", [(4, 2), (6, 2), (6, 3), (3, 1)])
-def test_fsdp2_across_pseudo_nodes_matches_stock_on_gloo(monkeypatch, ws, local):
-    """FSDP2 on pseudo-nodes: TIDE-AG across nodes (gloo between them, node peers within),
-    the stock reduce-scatter (one warning says why); fp32 parameters bitwise equal to stock
-    FSDP2 on a gloo group; the inter-node bytes went through the engine; no layout copy of
-    the all-gather in the profiler."""
-    from test_fsdp_zero_copy import assert_params_equal, train_worker
+def documented_order_reduce_scatter(local):
+    """FSDP2's reduce-scatter for a reference run (FSDP2's own set_custom_reduce_scatter
+    hook): every rank's input gathered exactly, then summed in torch, fp32, in the order
+    TIDE-RS documents across nodes of `local` ranks: each node's ranks in order into a
+    partial, then the partials in node order."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+    class DocumentedOrder(DefaultReduceScatter):
+        calls = 0
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            assert input_tensor.dtype == torch.float32 and not async_op, (input_tensor.dtype, async_op)
+            ws, rank = group.size(), group.rank()
+            everyone = torch.empty(ws * input_tensor.numel(), dtype=torch.float32)
+            dist.all_gather_into_tensor(everyone, input_tensor.contiguous(), group=group)
+            inputs = everyone.view(ws, -1)
+            total = None
+            for node in range(ws // local):
+                partial = inputs[node * local].clone()
+                for r in range(node * local + 1, (node + 1) * local):
+                    partial += inputs[r]
+                total = partial if total is None else total + partial
+            if op == dist.ReduceOp.AVG:
+                total /= ws
+            else:
+                assert op == dist.ReduceOp.SUM, op
+            output_tensor.copy_(total.view(ws, -1)[rank].view_as(output_tensor))
+            DocumentedOrder.calls += 1
+            return None
+
+    return DocumentedOrder()
+
+
+def _reference_train_worker(rank, ws, local, bf16):
+    """Stock FSDP2 (tide's zero-copy path off) with the documented-order reduce-scatter."""
+    from test_fsdp_zero_copy import train_worker
+
+    rs = documented_order_reduce_scatter(local)
+    result = train_worker(rank, ws, False, bf16=bf16, custom_reduce_scatter=rs)
+    result["reference_calls"] = type(rs).calls
+    return result
+
+
+@pytest.mark.parametrize("ws,local,bf16", [(4, 2, False), (6, 2, False), (6, 3, False), (3, 1, False),
+                                           (4, 2, True), (6, 3, True)])
+def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws, local, bf16):
+    """FSDP2 on pseudo-nodes with TIDE-AG and TIDE-RS across nodes (gloo between them, node
+    peers within): parameters bitwise equal to stock FSDP2 whose reduce-scatter sums in
+    TIDE-RS's documented order (fp32: stock FSDP2 on gloo; bf16 mixed precision: on a one-node
+    tide group, as gloo has no bf16 all-gather); the inter-node bytes went through the
+    engine; no layout copy in the profiler; memory shared only within a node."""
+    from test_fsdp_zero_copy import AG_COPIES, RS_COPIES, assert_params_equal
+
+    nodes = ws // local
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
-    tide = run_ranks(_pseudo_node_train_worker, ws)
-    gloo = run_ranks(train_worker, ws, False, backend="gloo")
+    tide = run_ranks(_pseudo_node_train_worker, ws, bf16)
+    monkeypatch.delenv("TIDE_LOCAL_WORLD_SIZE")
+    ref = run_ranks(_reference_train_worker, ws, local, bf16, backend="tide" if bf16 else "gloo")
     for r in range(ws):
-        stats, warned = tide[r]["stats"], tide[r]["warned"]
+        stats = tide[r]["stats"]
         assert stats["zero_copy_all_gather"] > 0 and stats["stock_all_gather"] == 0, stats
-        assert stats["stock_reduce_scatter"] > 0, stats
-        assert any(f"spans {ws // local} nodes" in w and "reduce-scatter" in w for w in warned), warned
+        assert stats["zero_copy_reduce_scatter"] > 0 and stats["stock_reduce_scatter"] == 0, stats
+        assert not tide[r]["warned"], tide[r]["warned"]
         assert tide[r]["inter_node_bytes"] > 0
+        assert ref[r]["reference_calls"] > 0
         # TIDE_DEBUG names the path of each level and the engine
-        assert f"across {ws // local} nodes: inter-node over gloo" in tide[r]["log"], tide[r]["log"]
-        assert "reduce-scatter: stock FSDP2 path" in tide[r]["log"], tide[r]["log"]
-        copies = {n for n in tide[r]["names"] if "all_gather_copy_in" in n or "split_with_sizes_copy" in n}
+        log = tide[r]["log"]
+        assert f"all-gather: zero-copy on cpu, across {nodes} nodes: inter-node over gloo" in log, log
+        assert f"reduce-scatter: zero-copy on cpu, across {nodes} nodes: node-local into fp32 partials, " \
+               "inter-node over gloo" in log, log
+        copies = tide[r]["names"] & (AG_COPIES | RS_COPIES)
         assert not copies, copies
-    assert tide[0]["losses"] == gloo[0]["losses"]
-    assert_params_equal(tide[0]["params"], gloo[0]["params"], f"tide over {ws // local} pseudo-nodes vs stock on gloo")
+    assert tide[0]["losses"] == ref[0]["losses"]
+    assert_params_equal(tide[0]["params"], ref[0]["params"],
+                        f"tide over {nodes} pseudo-nodes vs stock with the documented sum order")
     assert_memory_stays_in_nodes([t["inodes"] for t in tide], local)
 
 
-def _pseudo_node_train_worker(rank, ws):
+def _pseudo_node_train_worker(rank, ws, bf16=False):
     import warnings
 
     import torch.distributed as dist
@@ -127,7 +180,7 @@ def _pseudo_node_train_worker(rank, ws):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_worker(rank, ws, True, profile=True, debug_log=True)
+        result = train_worker(rank, ws, True, bf16=bf16, profile=True, debug_log=True)
     result["warned"] = [str(w.message) for w in caught if "tide" in str(w.message)]
     result["inter_node_bytes"] = dist.group.WORLD._get_backend(torch.device("cpu")).inter_node_bytes_sent()
     result["inodes"] = memfd_inodes()

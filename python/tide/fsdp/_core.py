@@ -92,13 +92,13 @@ def _device_index(device) -> int:
 
 def _why_not_nodes(backend, device, collective):
     """None where TIDE's `collective` serves the group's nodes, else why not. Across nodes
-    TIDE-AG runs on CPU tensors (the two-level schedule over gloo); TIDE-RS does not yet."""
+    TIDE-AG and TIDE-RS run on CPU tensors (gloo between the nodes), not yet on CUDA."""
     nodes = backend.num_nodes()
     if nodes == 1:
         return None
-    if collective == "reduce_scatter" or device.type != "cpu":
+    if device.type != "cpu":
         return (f"the group spans {nodes} nodes, and TIDE's {collective.replace('_', '-')} across "
-                f"nodes {'on CUDA ' if device.type != 'cpu' else ''}is not built yet")
+                "nodes on CUDA is not built yet")
     why = backend.why_not_across_nodes()
     return f"the group spans {nodes} nodes and {why}" if why else None
 
@@ -570,8 +570,11 @@ def _as_c10d(group, backend, device, kind, stage):
 
 def _reduce_scatter_done(fsdp_params, backend, device):
     report = backend.last_staging_report()
-    _debug(f"reduce-scatter: zero-copy on {device.type}, {len(fsdp_params)} params, staging "
-           f"{report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
+    nodes = backend.num_nodes()
+    path = (f"across {nodes} nodes: node-local into fp32 partials, inter-node over gloo "
+            f"({report.partial_bytes} B of partials)" if nodes > 1 else "node-local")
+    _debug(f"reduce-scatter: zero-copy on {device.type}, {path}, {len(fsdp_params)} params, "
+           f"staging {report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
            f"all-gather storage)")
     stats["zero_copy_reduce_scatter"] += 1
 

@@ -1,0 +1,142 @@
+// TIDE-RS across nodes: the two-phase pipeline of param_reduce_scatter.cpp, with a node's
+// ranks in place of the world and an engine between the nodes. The whole group's flat
+// padded-shard space is cut into windows (plan::rs_pipeline, one piece per destination
+// rank of the group). Per window, on every rank of a node:
+//   phase 1: copy my gradient slices for every destination into my staging slot (grad dtype);
+//            the rank of the node on the destination's rail (same local rank) sums the
+//            node's pieces, in local rank order, into an fp32 node partial;
+//   phase 2: send each partial along the rail to its destination's node (the engine),
+//            receive the other nodes' partials of my own shard, and add all of them, in node
+//            order, into my sharded gradient (rounded once to its dtype).
+// Sum order: node partials over local ranks 0..L-1, then nodes 0..N-1, fixed and the same
+// run to run; with one rank per node it is rank order, as on one host. Staging: the node's
+// slots (slot_bytes, one piece per group rank) plus 2N - 1 partials of one piece's elements
+// in fp32, which is about 2 x slot_bytes x 4 / (L x grad element size): independent of the
+// number of nodes.
+#include <algorithm>
+#include <vector>
+
+#include "algorithms.hpp"
+#include "tide/engine.hpp"
+
+namespace tide::algo {
+
+StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
+  Transport& t = c.t;
+  const plan::Topology& topo = *a.nodes->topology;
+  Engine& engine = *a.nodes->engine;
+  const int me = a.nodes->rank, lme = c.rank(), L = topo.local_size, N = topo.num_nodes, ws = topo.world_size;
+  const int my_node = topo.node_of(me);
+  const plan::GroupLayout& layout = *a.layout;
+  const size_t ges = dtype_size(a.grad_dtype), oes = dtype_size(a.out_dtype);
+  const DType part_dtype = a.out_dtype == DType::f64 ? DType::f64 : DType::f32;
+  const size_t pes = dtype_size(part_dtype);
+  TIDE_CHECK(is_floating(a.grad_dtype) &&
+                 (a.op.op == ReduceOp::sum || a.op.op == ReduceOp::avg || a.op.op == ReduceOp::premul_sum),
+             "tide param_reduce_scatter: rank ", me, ": across nodes, only sum / avg / premul_sum of floating "
+             "gradients (got ", reduce_op_name(a.op.op), " of ", dtype_name(a.grad_dtype), ")");
+  // Phase 1 premultiplies; phase 2 divides by the whole group for avg.
+  const ReduceArgs node_op = a.op.op == ReduceOp::premul_sum ? a.op : ReduceArgs{};
+  ReduceArgs rail_op;
+  if (a.op.op == ReduceOp::avg) rail_op = {ReduceOp::avg, 1.0, static_cast<size_t>(ws)};
+
+  zero_shard_padding(a, me);
+
+  StagingReport report;
+  report.slot_bytes = t.slot_bytes();
+  const size_t piece = t.slot_bytes() / static_cast<size_t>(ws) / 64 * 64;
+  TIDE_CHECK(piece >= ges, "tide param_reduce_scatter: rank ", me, ": a staging slot of ", t.slot_bytes(),
+             " bytes cannot hold a piece for each of ", ws, " ranks (TIDE_SHM_SLOT_BYTES)");
+  const plan::RsPipeline pipe = plan::rs_pipeline(
+      layout, {static_cast<int64_t>(piece), t.num_slots(), static_cast<int64_t>(ges)});
+  report.num_slots = pipe.num_slots;
+  const RsSlots slots = place_rs_slots(c, a, report);
+  auto slot_of = [&](int local, int idx) { return slots.at(t, a.reuse, local, idx); };
+
+  // partials[j]: this node's partial for my rail's rank on node j; received[j]: node j's
+  // partial of my own shard (j != my_node).
+  const size_t piece_elems = piece / ges;
+  std::vector<std::byte> partials(static_cast<size_t>(N) * piece_elems * pes);
+  std::vector<std::byte> received(static_cast<size_t>(N) * piece_elems * pes);
+  auto partial = [&](int node, int64_t pos) {
+    return partials.data() + (static_cast<size_t>(node) * piece_elems + static_cast<size_t>(pos)) * pes;
+  };
+  auto partial_from = [&](int node, int64_t pos) -> const std::byte* {
+    if (node == my_node) return partial(node, pos);
+    return received.data() + (static_cast<size_t>(node) * piece_elems + static_cast<size_t>(pos)) * pes;
+  };
+  report.partial_bytes = (2 * static_cast<size_t>(N) - 1) * piece_elems * pes;
+
+  std::vector<StridedCopy> ops;
+  std::vector<const void*> srcs(static_cast<size_t>(std::max(L, N)));
+  struct Mine {  // a piece whose node partial this rank sums
+    size_t p;
+    int dst;
+    int64_t lo, hi, pos;
+    const void* in_place;  // my own contribution, or null: staged in my slot
+  };
+  std::vector<Mine> mine;
+  std::vector<int64_t> extent(static_cast<size_t>(N));  // elements of the partial for node j's rail rank
+  std::vector<EngineSend> sends;
+  std::vector<EngineRecv> recvs;
+  for (const plan::RsChunk& chunk : pipe.chunks) {
+    const int idx = c.begin_step();
+    std::byte* my_slot = slot_of(lme, idx);
+    ops.clear();
+    mine.clear();
+    std::fill(extent.begin(), extent.end(), 0);
+    for (const plan::RsPiece& pc : chunk.pieces) {
+      const size_t p = static_cast<size_t>(pc.param);
+      const int d = pc.dst_rank;
+      const std::byte* grad = bytes_of(a.grads[p]);
+      if (topo.local_rank(d) == lme) {
+        const bool direct = plan::contiguous(pc.grad);
+        mine.push_back({p, d, pc.shard_begin, pc.shard_end, pc.staging_offset,
+                        direct ? grad + static_cast<size_t>(pc.grad[0].offset) * ges : nullptr});
+        int64_t& ext = extent[static_cast<size_t>(topo.node_of(d))];
+        ext = std::max(ext, pc.staging_offset + pc.shard_end - pc.shard_begin);
+        if (direct) continue;
+      }
+      stage_slices(ops, my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pc.staging_offset) * ges, grad,
+                   pc.grad, ges);
+    }
+    t.convert(ops, a.grad_dtype, a.grad_dtype);
+    t.post(Flag::ready(), c.step);
+    // Phase 1, the node's sum: local ranks in order, into this node's fp32 partials.
+    for (int r = 0; r < L; ++r)
+      if (r != lme) t.wait(r, Flag::ready(), c.step);
+    for (const Mine& m : mine) {
+      const size_t at = static_cast<size_t>(m.dst) * piece + static_cast<size_t>(m.pos) * ges;
+      for (int r = 0; r < L; ++r) srcs[static_cast<size_t>(r)] = r == lme && m.in_place ? m.in_place : slot_of(r, idx) + at;
+      t.reduce(partial(topo.node_of(m.dst), m.pos), part_dtype, std::span(srcs.data(), static_cast<size_t>(L)),
+               a.grad_dtype, static_cast<size_t>(m.hi - m.lo), node_op);
+    }
+    c.end_step();  // my slot's readers are done with this window once the node's peers are
+    // Phase 2: along the rail, then the partials in node order into my shard.
+    sends.clear();
+    recvs.clear();
+    const int64_t my_extent = extent[static_cast<size_t>(my_node)];
+    for (int j = 0; j < N; ++j) {
+      if (j == my_node) continue;
+      const int peer = topo.rank_of(j, lme);
+      if (const int64_t n = extent[static_cast<size_t>(j)]; n > 0)
+        sends.push_back({peer, partial(j, 0), static_cast<size_t>(n) * pes});
+      if (my_extent > 0)
+        recvs.push_back({peer, received.data() + static_cast<size_t>(j) * piece_elems * pes,
+                         static_cast<size_t>(my_extent) * pes});
+    }
+    engine.exchange(sends, recvs);
+    for (const Mine& m : mine) {
+      if (m.dst != me) continue;
+      for (int j = 0; j < N; ++j) srcs[static_cast<size_t>(j)] = partial_from(j, m.pos);
+      t.reduce(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[m.p] + m.lo) * oes, a.out_dtype,
+               std::span(srcs.data(), static_cast<size_t>(N)), part_dtype, static_cast<size_t>(m.hi - m.lo), rail_op);
+    }
+  }
+  if (report.reused_slots > 0)
+    for (int r = 0; r < L; ++r)
+      if (r != lme) t.wait(r, Flag::done(), c.step);
+  return report;
+}
+
+}  // namespace tide::algo
