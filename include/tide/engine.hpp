@@ -30,10 +30,21 @@ class Engine {
  public:
   virtual ~Engine() = default;
   virtual const char* name() const = 0;  // what TIDE_DEBUG prints: "gloo", "nccl send-recv", ...
-  // Posts every send and receive, then waits for all of them. Messages from one rank to
+  // Posts every send and receive and returns; finish() waits for the oldest exchange
+  // started and not yet finished (so several can be in flight, finished in order). The
+  // byte ranges must stay valid until then; `keep_alive` (the buffers behind them) is held
+  // until the exchange finished, and for the engine's life after a failure, so that a late
+  // delivery of a failed exchange never lands in freed memory. Messages from one rank to
   // another match in the order they are posted; a receive names its exact size. A dead or
-  // silent peer raises tide::TimeoutError (the engine's own timeout).
-  virtual void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs) = 0;
+  // silent peer raises tide::TimeoutError (the engine's own timeout) from finish().
+  virtual void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+                     std::shared_ptr<const void> keep_alive = nullptr) = 0;
+  virtual void finish() = 0;
+  void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+                std::shared_ptr<const void> keep_alive = nullptr) {
+    start(sends, recvs, std::move(keep_alive));
+    finish();
+  }
 };
 
 class NodePeers {

@@ -39,14 +39,16 @@ inline constexpr size_t kDefaultStagingBytes = size_t{16} << 20;
 std::string host_identity();
 
 // Every rank's node, exchanged through the store (collective): its host identity, and with
-// TIDE_LOCAL_WORLD_SIZE=L also rank / L, which splits a host into pseudo-nodes of L
-// consecutive ranks (for tests: real ranks, one machine). Ranks with equal keys share a node.
+// TIDE_LOCAL_WORLD_SIZE=L also job_rank / L, which splits a host into pseudo-nodes of L
+// consecutive ranks of the job (for tests: real ranks, one machine). job_rank is the rank in
+// the whole job (torchrun's numbering), so that a sub-group's ranks keep their pseudo-nodes;
+// -1: `rank`. Ranks with equal keys share a node.
 struct NodeKeys {
   std::vector<std::string> keys;
   std::vector<int> pids;
 };
 NodeKeys exchange_node_keys(Store& store, const std::string& ns, int rank, int world_size,
-                            std::chrono::milliseconds timeout);
+                            std::chrono::milliseconds timeout, int job_rank = -1);
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
                                                int world_size, const CommOptions& options);

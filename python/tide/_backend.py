@@ -30,16 +30,20 @@ def _nccl_delegate(dist_opts):
 def _create_backend(dist_opts, backend_opts):
     # extended_api=True: torch hands us its DistributedBackendOptions (store, ranks,
     # timeout and group name) and the backend options object, which tide does not use.
+    # The rank in the whole job: TIDE_LOCAL_WORLD_SIZE's pseudo-nodes split the job's ranks,
+    # so a sub-group (an HSDP replicate group, say) keeps each rank's pseudo-node.
+    job_ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
     backend = _C.ProcessGroupTide(
         dist_opts.store,
         dist_opts.group_rank,
         dist_opts.group_size,
         dist_opts.timeout,
         str(dist_opts.group_id),
+        job_ranks[dist_opts.group_rank] if len(job_ranks) == dist_opts.group_size else -1,
     )
     if backend.num_nodes() > 1:
         # Across nodes the CPU collectives run on torch's gloo (the host transport is one
-        # host's); FSDP2 keeps its stock path there (tide.fsdp says why, once).
+        # host's), and it is TIDE's inter-node engine for FSDP2's collectives.
         gloo = dist.ProcessGroupGloo(dist.PrefixStore("tide-gloo/", dist_opts.store),
                                      dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout)
         backend.set_cpu_delegate(gloo)

@@ -5,6 +5,8 @@
 // the sender's storage into the receiver's).
 #include <algorithm>
 #include <cstring>
+#include <list>
+#include <memory>
 #include <vector>
 
 #include "../core/convert.hpp"
@@ -60,7 +62,9 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   local_copies(-1);
   std::vector<EngineSend> sends;
   std::vector<EngineRecv> recvs;
-  std::vector<std::vector<std::byte>> packed;  // strided blocks: sent from / received into
+  // Strided blocks are sent from / received into packed buffers (a list per round: its
+  // buffers must not move while in flight, and the engine keeps them alive past a failure).
+  std::shared_ptr<std::list<std::vector<std::byte>>> packed;
   struct Unpack {
     std::byte* storage;
     plan::Strided pat;
@@ -71,7 +75,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
     for (const plan::Round& round : s.inter_node.steps[k].rounds) {
       sends.clear();
       recvs.clear();
-      packed.clear();
+      packed = std::make_shared<std::list<std::vector<std::byte>>>();
       unpacks.clear();
       for (const plan::Transfer& tr : round.transfers) {
         if (tr.src_rank != me && tr.dst_rank != me) continue;
@@ -90,7 +94,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
               recvs.push_back({peer, at, bytes});
             continue;
           }
-          std::vector<std::byte>& buf = packed.emplace_back(bytes);
+          std::vector<std::byte>& buf = packed->emplace_back(bytes);
           if (sending) {
             copy_block(buf.data(), At::packed, base, At::placed, pat, es);
             sends.push_back({peer, buf.data(), bytes});
@@ -100,7 +104,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
           }
         }
       }
-      engine.exchange(sends, recvs);
+      engine.exchange(sends, recvs, packed);
       for (const Unpack& u : unpacks) copy_block(u.storage, At::placed, u.from, At::packed, u.pat, es);
     }
     peers.publish(reached(static_cast<int>(k)));

@@ -7,13 +7,16 @@
 //            node's pieces, in local rank order, into an fp32 node partial;
 //   phase 2: send each partial along the rail to its destination's node (the engine),
 //            receive the other nodes' partials of my own shard, and add all of them, in node
-//            order, into my sharded gradient (rounded once to its dtype).
+//            order, into my sharded gradient (rounded once to its dtype). A window's partials
+//            are in flight while the next window's phase 1 runs.
 // Sum order: node partials over local ranks 0..L-1, then nodes 0..N-1, fixed and the same
 // run to run; with one rank per node it is rank order, as on one host. Staging: the node's
-// slots (slot_bytes, one piece per group rank) plus 2N - 1 partials of one piece's elements
-// in fp32, which is about 2 x slot_bytes x 4 / (L x grad element size): independent of the
-// number of nodes.
+// slots (slot_bytes, one piece per group rank) plus, for each of two windows in flight,
+// 2N - 1 partials of one piece's elements in fp32: about 4 x slot_bytes x 4 / (L x grad
+// element size), independent of the number of nodes.
 #include <algorithm>
+#include <array>
+#include <memory>
 #include <vector>
 
 #include "algorithms.hpp"
@@ -53,33 +56,49 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   const RsSlots slots = place_rs_slots(c, a, report);
   auto slot_of = [&](int local, int idx) { return slots.at(t, a.reuse, local, idx); };
 
-  // partials[j]: this node's partial for my rail's rank on node j; received[j]: node j's
-  // partial of my own shard (j != my_node).
-  const size_t piece_elems = piece / ges;
-  std::vector<std::byte> partials(static_cast<size_t>(N) * piece_elems * pes);
-  std::vector<std::byte> received(static_cast<size_t>(N) * piece_elems * pes);
-  auto partial = [&](int node, int64_t pos) {
-    return partials.data() + (static_cast<size_t>(node) * piece_elems + static_cast<size_t>(pos)) * pes;
-  };
-  auto partial_from = [&](int node, int64_t pos) -> const std::byte* {
-    if (node == my_node) return partial(node, pos);
-    return received.data() + (static_cast<size_t>(node) * piece_elems + static_cast<size_t>(pos)) * pes;
-  };
-  report.partial_bytes = (2 * static_cast<size_t>(N) - 1) * piece_elems * pes;
-
-  std::vector<StridedCopy> ops;
-  std::vector<const void*> srcs(static_cast<size_t>(std::max(L, N)));
   struct Mine {  // a piece whose node partial this rank sums
     size_t p;
     int dst;
     int64_t lo, hi, pos;
     const void* in_place;  // my own contribution, or null: staged in my slot
   };
+  // Two windows in flight: window k's partials travel (engine) while window k + 1's node
+  // phase runs. Per window, partials[j]: this node's partial for my rail's rank on node j;
+  // received[j]: node j's partial of my own shard (j != my_node).
+  const size_t piece_elems = piece / ges, piece_bytes = piece_elems * pes;
+  struct Window {
+    std::shared_ptr<std::vector<std::byte>> partials, received;  // kept alive by the engine while in flight
+    std::vector<Mine> own;  // my own shard's pieces: phase 2 adds the nodes' partials there
+  };
+  std::array<Window, 2> windows;
+  for (Window& w : windows) {
+    w.partials = std::make_shared<std::vector<std::byte>>(static_cast<size_t>(N) * piece_bytes);
+    w.received = std::make_shared<std::vector<std::byte>>(static_cast<size_t>(N) * piece_bytes);
+  }
+  const size_t windows_in_flight = std::min<size_t>(2, pipe.chunks.size());
+  report.partial_bytes = windows_in_flight * (2 * static_cast<size_t>(N) - 1) * piece_bytes;
+
+  std::vector<StridedCopy> ops;
+  std::vector<const void*> srcs(static_cast<size_t>(std::max(L, N)));
   std::vector<Mine> mine;
   std::vector<int64_t> extent(static_cast<size_t>(N));  // elements of the partial for node j's rail rank
   std::vector<EngineSend> sends;
   std::vector<EngineRecv> recvs;
-  for (const plan::RsChunk& chunk : pipe.chunks) {
+  // Phase 2's end: the window's partials have arrived; add them, in node order, into my shard.
+  auto add_partials = [&](Window& w) {
+    engine.finish();
+    for (const Mine& m : w.own) {
+      for (int j = 0; j < N; ++j) {
+        const std::vector<std::byte>& from = j == my_node ? *w.partials : *w.received;
+        srcs[static_cast<size_t>(j)] = from.data() + static_cast<size_t>(j) * piece_bytes + static_cast<size_t>(m.pos) * pes;
+      }
+      t.reduce(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[m.p] + m.lo) * oes, a.out_dtype,
+               std::span(srcs.data(), static_cast<size_t>(N)), part_dtype, static_cast<size_t>(m.hi - m.lo), rail_op);
+    }
+  };
+  for (size_t k = 0; k < pipe.chunks.size(); ++k) {
+    const plan::RsChunk& chunk = pipe.chunks[k];
+    Window& w = windows[k % 2];
     const int idx = c.begin_step();
     std::byte* my_slot = slot_of(lme, idx);
     ops.clear();
@@ -108,11 +127,13 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
     for (const Mine& m : mine) {
       const size_t at = static_cast<size_t>(m.dst) * piece + static_cast<size_t>(m.pos) * ges;
       for (int r = 0; r < L; ++r) srcs[static_cast<size_t>(r)] = r == lme && m.in_place ? m.in_place : slot_of(r, idx) + at;
-      t.reduce(partial(topo.node_of(m.dst), m.pos), part_dtype, std::span(srcs.data(), static_cast<size_t>(L)),
-               a.grad_dtype, static_cast<size_t>(m.hi - m.lo), node_op);
+      std::byte* into = w.partials->data() + static_cast<size_t>(topo.node_of(m.dst)) * piece_bytes +
+                        static_cast<size_t>(m.pos) * pes;
+      t.reduce(into, part_dtype, std::span(srcs.data(), static_cast<size_t>(L)), a.grad_dtype,
+               static_cast<size_t>(m.hi - m.lo), node_op);
     }
     c.end_step();  // my slot's readers are done with this window once the node's peers are
-    // Phase 2: along the rail, then the partials in node order into my shard.
+    // Phase 2: the partials along the rail (in flight while the next window's node phase runs).
     sends.clear();
     recvs.clear();
     const int64_t my_extent = extent[static_cast<size_t>(my_node)];
@@ -120,19 +141,19 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
       if (j == my_node) continue;
       const int peer = topo.rank_of(j, lme);
       if (const int64_t n = extent[static_cast<size_t>(j)]; n > 0)
-        sends.push_back({peer, partial(j, 0), static_cast<size_t>(n) * pes});
+        sends.push_back({peer, w.partials->data() + static_cast<size_t>(j) * piece_bytes, static_cast<size_t>(n) * pes});
       if (my_extent > 0)
-        recvs.push_back({peer, received.data() + static_cast<size_t>(j) * piece_elems * pes,
+        recvs.push_back({peer, w.received->data() + static_cast<size_t>(j) * piece_bytes,
                          static_cast<size_t>(my_extent) * pes});
     }
-    engine.exchange(sends, recvs);
-    for (const Mine& m : mine) {
-      if (m.dst != me) continue;
-      for (int j = 0; j < N; ++j) srcs[static_cast<size_t>(j)] = partial_from(j, m.pos);
-      t.reduce(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[m.p] + m.lo) * oes, a.out_dtype,
-               std::span(srcs.data(), static_cast<size_t>(N)), part_dtype, static_cast<size_t>(m.hi - m.lo), rail_op);
-    }
+    w.own.clear();
+    for (const Mine& m : mine)
+      if (m.dst == me) w.own.push_back(m);
+    engine.start(sends, recvs, std::make_shared<std::array<std::shared_ptr<std::vector<std::byte>>, 2>>(
+                                   std::array{w.partials, w.received}));
+    if (k > 0) add_partials(windows[(k - 1) % 2]);
   }
+  if (!pipe.chunks.empty()) add_partials(windows[(pipe.chunks.size() - 1) % 2]);
   if (report.reused_slots > 0)
     for (int r = 0; r < L; ++r)
       if (r != lme) t.wait(r, Flag::done(), c.step);

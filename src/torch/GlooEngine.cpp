@@ -14,8 +14,11 @@ at::Tensor bytes(const void* data, size_t n) {
 }
 }  // namespace
 
-void GlooEngine::exchange(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs) {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+void GlooEngine::start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
+                       std::shared_ptr<const void> keep_alive) {
+  Exchange& exchange = in_flight_.emplace_back();
+  exchange.keep_alive = std::move(keep_alive);
+  std::vector<c10::intrusive_ptr<c10d::Work>>& works = exchange.works;
   for (const tide::EngineSend& s : sends) {
     std::vector<at::Tensor> t{bytes(s.data, s.bytes)};
     works.push_back(gloo_->send(t, s.peer, kTag));
@@ -25,9 +28,16 @@ void GlooEngine::exchange(std::span<const tide::EngineSend> sends, std::span<con
     std::vector<at::Tensor> t{bytes(r.data, r.bytes)};
     works.push_back(gloo_->recv(t, r.peer, kTag));
   }
+}
+
+void GlooEngine::finish() {
+  TIDE_CHECK(!in_flight_.empty(), "tide inter-node exchange over gloo: finish() without start()");
+  Exchange exchange = std::move(in_flight_.front());
+  in_flight_.pop_front();
   try {
-    for (auto& w : works) w->wait(timeout_);
+    for (auto& w : exchange.works) w->wait(timeout_);
   } catch (const std::exception& e) {
+    failed_.push_back(std::move(exchange));
     throw tide::TimeoutError(detail::concat("tide inter-node exchange over gloo failed: ", e.what()));
   }
 }

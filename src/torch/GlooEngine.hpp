@@ -3,6 +3,9 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <deque>
+#include <vector>
+
 #include "tide/engine.hpp"
 
 namespace tide::torch_backend {
@@ -12,11 +15,19 @@ class GlooEngine final : public tide::Engine {
   GlooEngine(c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout)
       : gloo_(std::move(gloo)), timeout_(timeout) {}
   const char* name() const override { return "gloo"; }
-  void exchange(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs) override;
+  void start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
+             std::shared_ptr<const void> keep_alive) override;
+  void finish() override;
   int64_t bytes_sent() const { return bytes_sent_; }
 
  private:
+  struct Exchange {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::shared_ptr<const void> keep_alive;
+  };
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::deque<Exchange> in_flight_;  // per start(), oldest first
+  std::vector<Exchange> failed_;    // kept: their receives may still land
   std::chrono::milliseconds timeout_;
   int64_t bytes_sent_ = 0;
 };

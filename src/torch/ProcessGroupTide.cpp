@@ -204,7 +204,8 @@ void WorkTide::complete(std::exception_ptr eptr) {
 
 // ---- ProcessGroupTide -----------------------------------------------------------------------
 ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                   std::chrono::milliseconds timeout, const std::string& group_name)
+                                   std::chrono::milliseconds timeout, const std::string& group_name,
+                                   int job_rank)
     : c10d::Backend(rank, size), store_(store), group_name_(group_name), timeout_(timeout) {
   C10dStore tide_store(store);
   CommOptions options;
@@ -212,7 +213,7 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
   try {
     // One node: the host transport. Several (hosts, or pseudo-nodes): the standard ops on
     // CPU tensors go to gloo across nodes (set_cpu_delegate), as CUDA ones go to NCCL.
-    const NodeKeys nodes = exchange_node_keys(tide_store, "pg" + group_name, rank, size, timeout);
+    const NodeKeys nodes = exchange_node_keys(tide_store, "pg" + group_name, rank, size, timeout, job_rank);
     const std::vector<std::string>& keys = nodes.keys;
     options.pids = nodes.pids;
     for (size_t r = 0; r < keys.size(); ++r)

@@ -39,8 +39,10 @@ class WorkTide : public c10d::Work {
 
 class ProcessGroupTide : public c10d::Backend {
  public:
+  // job_rank: this rank in the whole job (what TIDE_LOCAL_WORLD_SIZE's pseudo-nodes split);
+  // -1: `rank` (the default group).
   ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                   std::chrono::milliseconds timeout, const std::string& group_name);
+                   std::chrono::milliseconds timeout, const std::string& group_name, int job_rank = -1);
   ~ProcessGroupTide() override;
 
   const std::string getBackendName() const override { return "tide"; }

@@ -127,11 +127,11 @@ void bind_backend(pybind11::module_& m) {
   py::class_<ProcessGroupTide, c10d::Backend, c10::intrusive_ptr<ProcessGroupTide>>(
       m, "ProcessGroupTide", "The tide c10d backend (host shared-memory transport).")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                       std::chrono::milliseconds timeout, const std::string& group_name) {
-             return c10::make_intrusive<ProcessGroupTide>(store, rank, size, timeout, group_name);
+                       std::chrono::milliseconds timeout, const std::string& group_name, int job_rank) {
+             return c10::make_intrusive<ProcessGroupTide>(store, rank, size, timeout, group_name, job_rank);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("group_name") = "", py::call_guard<py::gil_scoped_release>())
+           py::arg("group_name") = "", py::arg("job_rank") = -1, py::call_guard<py::gil_scoped_release>())
       .def("allocate_symmetric", &ProcessGroupTide::allocate_symmetric, py::arg("bytes"),
            py::arg("device") = -1, py::call_guard<py::gil_scoped_release>(),
            "Collective: symmetric memory, host shared memory (device -1) or on cuda:device.")

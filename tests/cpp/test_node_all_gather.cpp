@@ -63,7 +63,8 @@ class MailEngine : public Engine {
  public:
   MailEngine(World& w, int rank) : w_(w), me_(rank) {}
   const char* name() const override { return "test mailbox"; }
-  void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs) override {
+  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+             std::shared_ptr<const void>) override {
     std::unique_lock lock(w_.mu);
     for (const EngineSend& s : sends) {
       TIDE_CHECK(w_.topo.node_of(s.peer) != w_.topo.node_of(me_), "engine message within a node");
@@ -72,6 +73,12 @@ class MailEngine : public Engine {
       w_.engine_bytes += static_cast<int64_t>(s.bytes);
     }
     w_.cv.notify_all();
+    pending_.emplace_back(recvs.begin(), recvs.end());
+  }
+  void finish() override {
+    std::unique_lock lock(w_.mu);
+    const std::vector<EngineRecv> recvs = std::move(pending_.front());
+    pending_.pop_front();
     for (const EngineRecv& r : recvs) {
       auto& box = w_.mail[{r.peer, me_}];
       w_.cv.wait(lock, [&] { return !box.empty(); });
@@ -84,6 +91,7 @@ class MailEngine : public Engine {
  private:
   World& w_;
   int me_;
+  std::deque<std::vector<EngineRecv>> pending_;  // per start(), oldest first
 };
 
 class ThreadPeers : public NodePeers {

@@ -8,6 +8,7 @@
 // premul_sum, with and without Slot-Reuse, with staging small enough that windows wrap.
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <map>
 
 #include "test_param_common.hpp"
@@ -24,13 +25,20 @@ class StoreEngine final : public Engine {
   StoreEngine(Store& store, std::string ns, plan::Topology topo, int rank)
       : store_(store), ns_(std::move(ns)), topo_(topo), me_(rank) {}
   const char* name() const override { return "test store"; }
-  void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs) override {
+  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+             std::shared_ptr<const void>) override {
     for (const EngineSend& s : sends) {
       check_peer(s.peer);
       const auto* p = static_cast<const uint8_t*>(s.data);
       store_.set(key(me_, s.peer, sent_[s.peer]++), std::vector<uint8_t>(p, p + s.bytes));
       bytes_ += static_cast<int64_t>(s.bytes);
     }
+    pending_.emplace_back(recvs.begin(), recvs.end());
+  }
+  void finish() override {
+    TIDE_REQUIRE(!pending_.empty(), "finish() without start()");
+    const std::vector<EngineRecv> recvs = std::move(pending_.front());
+    pending_.pop_front();
     for (const EngineRecv& r : recvs) {
       check_peer(r.peer);
       std::vector<uint8_t> v = store_.get(key(r.peer, me_, received_[r.peer]++), std::chrono::seconds(60));
@@ -54,6 +62,7 @@ class StoreEngine final : public Engine {
   plan::Topology topo_;
   int me_;
   std::map<int, int> sent_, received_;
+  std::deque<std::vector<EngineRecv>> pending_;  // per start(), oldest first
   int64_t bytes_ = 0;
 };
 

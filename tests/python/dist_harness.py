@@ -23,8 +23,11 @@ def slack(seconds: float) -> float:
     return seconds * TIME_SCALE
 
 
-def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwargs, queue):
+def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwargs, queue,
+               before_init=None):
     try:
+        if before_init is not None:
+            before_init(rank)
         os.environ.setdefault("USE_LIBUV", "0")
         import torch.distributed as dist
 
@@ -46,11 +49,13 @@ def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwa
 
 
 def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=60,
-              expect_exit=None, kwargs=None):
+              expect_exit=None, kwargs=None, before_init=None):
     """Runs fn(rank, world_size, *args, **kwargs) on every rank and returns
     [result of rank 0, ..., rank N-1]; raises AssertionError naming failed ranks.
 
     expect_exit: ranks that are expected to die (they report nothing).
+    before_init: a module-level function run as before_init(rank) in each rank before the
+    process group exists.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -60,7 +65,7 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
         procs = [
             ctx.Process(target=_rank_main, daemon=True,
                         args=(fn, r, world_size, init_file, backend, pg_timeout_s, args,
-                              kwargs or {}, queue))
+                              kwargs or {}, queue, before_init))
             for r in range(world_size)
         ]
         for p in procs:

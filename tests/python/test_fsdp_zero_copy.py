@@ -101,8 +101,8 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     for step in range(STEPS):
         micro = 2 if accumulate else 1
         for m in range(micro):
-            if accumulate:
-                model.set_requires_gradient_sync(m == micro - 1)
+            if accumulate:  # HSDP: reduce-scatter every micro-batch, all-reduce the sum at the last
+                (model.set_requires_all_reduce if hsdp else model.set_requires_gradient_sync)(m == micro - 1)
             last = step == STEPS - 1
             prof = torch.profiler.profile() if profile and last else None
             comm = None
@@ -246,12 +246,14 @@ def test_shard_dim1_accumulation_and_no_reshard(ws):
 @pytest.mark.parametrize("opts, stock_paths", [
     # post-forward mesh of 2: backward's all-gathers come from it, stock path
     (dict(reshard=2, divide_factor=8.0), {"stock_all_gather"}),
-    # 2 x 2 mesh: zero-copy all-gather, stock reduce-scatter + replicate all-reduce
-    (dict(hsdp=True, bf16=True), {"stock_reduce_scatter"}),
+    # 2 x 2 mesh: TIDE-AG and TIDE-RS on the shard groups, then the replicate all-reduce;
+    # with accumulation, the all-reduce only every second micro-batch (partial sums kept)
+    (dict(hsdp=True, bf16=True), set()),
+    (dict(hsdp=True, accumulate=True), set()),
     (dict(explicit_unshard=True, divide_factor=3.0), set()),
     # storages homed in shared memory; 4 KiB slots so the tiny layers do reuse them
     (dict(slot_reuse=True, accumulate=True, bf16=True), set()),
-], ids=["reshard-int+divide-factor", "hsdp-bf16", "explicit-unshard", "slot-reuse"])
+], ids=["reshard-int+divide-factor", "hsdp-bf16", "hsdp-accumulate", "explicit-unshard", "slot-reuse"])
 def test_more_fsdp2_features_match_stock(opts, stock_paths, monkeypatch):
     if opts.get("slot_reuse"):
         monkeypatch.setenv("TIDE_SHM_SLOT_BYTES", "4096")

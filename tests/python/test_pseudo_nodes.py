@@ -8,10 +8,36 @@ bitwise equal to stock FSDP2 with a reduce-scatter that sums in TIDE-RS's docume
 order."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from dist_harness import run_ranks
+
+
+def private_dev_shm(rank):
+    """Puts this rank in a mount namespace of its own with an empty tmpfs on /dev/shm (so no
+    name there can be shared with another rank), marked with one file."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x00020000, 0x4000, 1 << 18
+    for ok, what in ((lambda: libc.unshare(clone_newns), "unshare(CLONE_NEWNS)"),
+                     (lambda: libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "make / private"),
+                     (lambda: libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None), "mount /dev/shm")):
+        if ok() != 0:
+            raise OSError(ctypes.get_errno(), f"rank {rank}: {what} failed")
+    open(f"/dev/shm/private-to-rank-{rank}", "w").close()
+
+
+def can_unshare_mounts():
+    import shutil
+    import subprocess
+
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0
 
 
 def tide_mappings():
@@ -136,19 +162,26 @@ def _reference_train_worker(rank, ws, local, bf16):
     return result
 
 
-@pytest.mark.parametrize("ws,local,bf16", [(4, 2, False), (6, 2, False), (6, 3, False), (3, 1, False),
-                                           (4, 2, True), (6, 3, True)])
-def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws, local, bf16):
+@pytest.mark.parametrize("ws,local,bf16,private_shm", [
+    (4, 2, False, False), (6, 2, False, False), (6, 3, False, False), (3, 1, False, False),
+    (4, 2, True, False), (6, 3, True, False),
+    (4, 2, False, True),  # each rank in its own mount namespace with a private /dev/shm
+])
+def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws, local, bf16, private_shm):
     """FSDP2 on pseudo-nodes with TIDE-AG and TIDE-RS across nodes (gloo between them, node
     peers within): parameters bitwise equal to stock FSDP2 whose reduce-scatter sums in
     TIDE-RS's documented order (fp32: stock FSDP2 on gloo; bf16 mixed precision: on a one-node
     tide group, as gloo has no bf16 all-gather); the inter-node bytes went through the
-    engine; no layout copy in the profiler; memory shared only within a node."""
+    engine; no layout copy in the profiler; memory shared only within a node. Where mount
+    namespaces can be made (root, as in CI), one case puts every rank in its own namespace
+    with a private /dev/shm."""
     from test_fsdp_zero_copy import AG_COPIES, RS_COPIES, assert_params_equal
 
+    if private_shm and not can_unshare_mounts():
+        pytest.skip("mount namespaces cannot be made here (needs root / CAP_SYS_ADMIN)")
     nodes = ws // local
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
-    tide = run_ranks(_pseudo_node_train_worker, ws, bf16)
+    tide = run_ranks(_pseudo_node_train_worker, ws, bf16, before_init=private_dev_shm if private_shm else None)
     monkeypatch.delenv("TIDE_LOCAL_WORLD_SIZE")
     ref = run_ranks(_reference_train_worker, ws, local, bf16, backend="tide" if bf16 else "gloo")
     for r in range(ws):
@@ -165,13 +198,39 @@ def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws,
                "inter-node over gloo" in log, log
         copies = tide[r]["names"] & (AG_COPIES | RS_COPIES)
         assert not copies, copies
+        if private_shm:
+            assert tide[r]["dev_shm"] == [f"private-to-rank-{r}"], tide[r]["dev_shm"]
     assert tide[0]["losses"] == ref[0]["losses"]
     assert_params_equal(tide[0]["params"], ref[0]["params"],
                         f"tide over {nodes} pseudo-nodes vs stock with the documented sum order")
     assert_memory_stays_in_nodes([t["inodes"] for t in tide], local)
 
 
-def _pseudo_node_train_worker(rank, ws, bf16=False):
+def test_hsdp_across_pseudo_nodes_matches_stock_on_gloo(monkeypatch):
+    """HSDP on 2 pseudo-nodes x 2 ranks, shard groups inside the nodes and replicate groups
+    across them (as HSDP is deployed): TIDE-AG and TIDE-RS on the shard groups, the replicate
+    all-reduce over gloo between the nodes, every second micro-batch (partial sums kept in
+    between); bitwise equal to stock FSDP2 HSDP on gloo (every sum has two terms here, so
+    any order gives the same bits). The replicate groups are sub-groups whose ranks sit on
+    different pseudo-nodes: they must share no memory."""
+    from test_fsdp_zero_copy import assert_params_equal, train_worker
+
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "2")
+    tide = run_ranks(_pseudo_node_train_worker, 4, False, True)
+    monkeypatch.delenv("TIDE_LOCAL_WORLD_SIZE")
+    gloo = run_ranks(train_worker, 4, False, kwargs=dict(hsdp=True, accumulate=True), backend="gloo")
+    for r in range(4):
+        stats = tide[r]["stats"]
+        assert stats["zero_copy_all_gather"] > 0 and stats["stock_all_gather"] == 0, stats
+        assert stats["zero_copy_reduce_scatter"] > 0 and stats["stock_reduce_scatter"] == 0, stats
+        assert not tide[r]["warned"], tide[r]["warned"]
+        assert "HSDP all-reduce over the 2-rank replicate group" in tide[r]["log"], tide[r]["log"]
+    assert tide[0]["losses"] == gloo[0]["losses"]
+    assert_params_equal(tide[0]["params"], gloo[0]["params"], "HSDP over 2 pseudo-nodes vs stock on gloo")
+    assert_memory_stays_in_nodes([t["inodes"] for t in tide], 2)
+
+
+def _pseudo_node_train_worker(rank, ws, bf16=False, hsdp=False):
     import warnings
 
     import torch.distributed as dist
@@ -180,8 +239,51 @@ def _pseudo_node_train_worker(rank, ws, bf16=False):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_worker(rank, ws, True, bf16=bf16, profile=True, debug_log=True)
+        result = train_worker(rank, ws, True, bf16=bf16, profile=True, debug_log=True, hsdp=hsdp,
+                              accumulate=hsdp)
     result["warned"] = [str(w.message) for w in caught if "tide" in str(w.message)]
     result["inter_node_bytes"] = dist.group.WORLD._get_backend(torch.device("cpu")).inter_node_bytes_sent()
     result["inodes"] = memfd_inodes()
+    result["dev_shm"] = sorted(os.listdir("/dev/shm"))
     return result
+
+
+def _direct_reduce_scatter_worker(rank, ws, local):
+    """One TIDE-RS called on the backend directly (shapes that split evenly: no padding):
+    the bytes this rank's engine sent, and its shard against a float64 reference."""
+    import torch.distributed as dist
+
+    import tide
+
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    plan = tide._C.plan
+    shapes = [(ws * 40, 33), (ws * 7,), (ws * 3, 5, 4)]
+    layout = plan.plan_group([plan.Param(list(s), 2, 0) for s in shapes], ws)
+
+    def grads_of(r):
+        g = torch.Generator().manual_seed(100 + r)
+        return [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+
+    padded = [lp.padded_shard_numel for lp in layout.params]
+    out = torch.full((sum(padded),), float("nan"))
+    before = backend.inter_node_bytes_sent()
+    backend.param_reduce_scatter(layout, grads_of(rank), out, [sum(padded[:i]) for i in range(len(padded))],
+                                 dist.ReduceOp.SUM).wait()
+    sent = backend.inter_node_bytes_sent() - before
+    want = torch.cat([sum(grads_of(r)[i].double() for r in range(ws)).reshape(ws, -1)[rank]
+                      for i in range(len(shapes))])
+    return dict(sent=sent, numel=sum(lp.numel for lp in layout.params),
+                max_err=(out.double() - want).abs().max().item())
+
+
+@pytest.mark.parametrize("ws,local", [(4, 2), (6, 2), (3, 1)])
+def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
+    """The step-time model's TIDE-RS NIC bytes per rank (tide_reducescatter_traffic: the node
+    partials of the other nodes' rail ranks, fp32) equal what the engine sent."""
+    from tide.bench import model as M
+
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
+    for r, got in enumerate(run_ranks(_direct_reduce_scatter_worker, ws, local)):
+        want = M.tide_reducescatter_traffic(local, ws // local, got["numel"], 2, 4)["net_bytes"]
+        assert got["sent"] == want, (r, got["sent"], want)
+        assert got["max_err"] < 1e-4, got["max_err"]

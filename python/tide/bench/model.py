@@ -213,20 +213,34 @@ def tide_accumulate_bytes(numel: int, ws: int, g: int, nodes: int, grad_elem: in
     return node_local + cross
 
 
+def tide_reducescatter_traffic(g: int, nodes: int, numel: float, grad_elem: int = 2,
+                                cross_elem: int = 4) -> dict:
+    """What each rank moves in TIDE-RS across nodes, as node_param_reduce_scatter
+    (src/collectives/node_reduce_scatter.cpp) moves it: from its node's g-1 peers, their
+    slices of the elements of its rail (numel/g of them, grad dtype); through its NIC, the
+    node partials of the other nodes' rail ranks (numel/g (nodes-1)/nodes elements, fp32),
+    all of a window's in one exchange, windows pipelined (one RDMA latency counted).
+    tests/python/test_pseudo_nodes.py checks net_bytes against the bytes its engine sent."""
+    return {"net_bytes": numel / g * cross_elem * (nodes - 1) / nodes,
+            "node_bytes": numel / g * grad_elem * (g - 1),
+            "net_steps": 1 if nodes > 1 else 0}
+
+
 def tide_reducescatter(hw: Hardware, ws: int, numel: int, opt: Options) -> dict:
     """TIDE-RS two-phase: copy engines bring the other g-1 GPUs' bf16 slices of this GPU's
-    node slice (NVLink), short CTAs accumulate them in fp32, RDMA reduce-scatters the node
-    partials across nodes (cross_node_elem_size bytes per element). The pipeline overlaps
-    the three; the slowest sets the time."""
+    node slice (NVLink), short CTAs accumulate them in fp32, RDMA sends the node partials
+    along the rail (cross_node_elem_size bytes per element; tide_reducescatter_traffic).
+    The pipeline overlaps the three; the slowest sets the time."""
     if ws <= 1:
         return {"time": 0.0, "nvl": 0.0, "net": 0.0, "lat": 0.0, "acc": 0.0, "acc_bytes": 0.0}
     g, nodes = _topology(hw, ws)
-    t_nvl = numel * opt.param_elem_size * (g - 1) / g / (hw.nvlink_ce_GBps * GB)
-    t_net = _net_time(hw, ws, numel / g * opt.cross_node_elem_size * (nodes - 1) / nodes)
+    traffic = tide_reducescatter_traffic(g, nodes, numel, opt.param_elem_size, opt.cross_node_elem_size)
+    t_nvl = traffic["node_bytes"] / (hw.nvlink_ce_GBps * GB)
+    t_net = _net_time(hw, ws, traffic["net_bytes"])
     acc_bytes = tide_accumulate_bytes(numel, ws, g, nodes, opt.param_elem_size,
                                       opt.cross_node_elem_size, opt.reduce_elem_size)
     t_acc = acc_bytes / ((opt.accumulate_GBps or hw.hbm_copy_GBps) * GB)
-    lat = (math.ceil(math.log2(nodes)) * hw.rdma_latency_us if nodes > 1 else 0.0) * 1e-6
+    lat = traffic["net_steps"] * hw.rdma_latency_us * 1e-6
     lat += 2 * hw.nvlink_latency_us * 1e-6
     return {"time": max(t_nvl, t_net, t_acc) + lat, "nvl": t_nvl, "net": t_net, "lat": lat,
             "acc": t_acc, "acc_bytes": acc_bytes}

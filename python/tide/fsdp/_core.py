@@ -444,8 +444,9 @@ class Reduced:
     reduce_scatter_event: object
     post_reduce_stream: object
     post_reduce_event: object
-    all_reduce_input: object = None  # the output a user's all-reduce hook read (kept alive)
+    all_reduce_input: object = None  # the output the HSDP all-reduce or a user's hook read (kept alive)
     all_reduce_event: object = None
+    partial_reduce_output: object = None  # HSDP without all-reduce this step: the running sum
 
 
 @torch.no_grad()  # as stock FSDP2's seams
@@ -453,7 +454,7 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                    reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor,
                    all_reduce_group, all_reduce_stream, partial_reduce_output, all_reduce_hook,
                    force_sum_reduction_for_comms, view_sharded_grads, run_post_accumulate_hooks,
-                   why_not=None):
+                   why_not=None, all_reduce_grads=True):
     """TIDE-RS in place of FSDP2's foreach_reduce: reduce-scatters the per-parameter
     gradients, then (as stock) runs the all-reduce hook, post-divides, and accumulates
     `view_sharded_grads(reduce_output, fsdp_params, out_offsets, padded_numels)` (the
@@ -465,7 +466,7 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     backend = _tide_backend(reduce_scatter_group, device)
     grad_dtype = unsharded_grads[0].dtype
     reduce_dtype = reduce_dtype or grad_dtype
-    predivide, postdivide, rs_op, _ = C._get_gradient_divide_factors(
+    predivide, postdivide, rs_op, all_reduce_op = C._get_gradient_divide_factors(
         reduce_scatter_group, all_reduce_group, reduce_dtype, device.type,
         gradient_divide_factor, force_sum_reduction_for_comms)
     why = None
@@ -475,8 +476,8 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         why = "world size 1"
     elif why_not:
         why = why_not
-    elif all_reduce_group is not None or partial_reduce_output is not None:
-        why = "HSDP (replicate all-reduce)"
+    elif (all_reduce_group is not None or partial_reduce_output is not None) and device.type == "cuda":
+        why = "HSDP (replicate all-reduce) on CUDA"
     elif not isinstance(reduce_scatter_comm, C.DefaultReduceScatter):
         why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
     elif predivide is not None:
@@ -545,9 +546,29 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     _reduce_scatter_done(fsdp_params, backend, device)
     del grads
     unsharded_grads.clear()  # autograd's gradients can go now
+    all_reduce_input = None
+    if all_reduce_group is not None:
+        # HSDP, as stock: without all-reduce this step the output only joins the running
+        # sum; else the sum so far is added and the replicate group all-reduces (on a tide
+        # group across nodes: gloo, the inter-node engine of the CPU path).
+        if not all_reduce_grads:
+            if partial_reduce_output is not None:
+                partial_reduce_output += reduce_output
+            else:
+                partial_reduce_output = reduce_output
+            event = torch.cpu.current_stream().record_event()
+            return Reduced(event, reduce_scatter_stream, event, partial_reduce_output=partial_reduce_output)
+        if partial_reduce_output is not None:
+            reduce_output += partial_reduce_output
+        import torch.distributed as dist
+
+        dist.all_reduce(reduce_output, group=all_reduce_group, op=all_reduce_op)
+        all_reduce_input = reduce_output
+        _debug(f"reduce-scatter: HSDP all-reduce over the {all_reduce_group.size()}-rank replicate group")
     accumulate(reduce_output)
     event = torch.cpu.current_stream().record_event()
-    return Reduced(event, reduce_scatter_stream, event)
+    return Reduced(event, reduce_scatter_stream, event, all_reduce_input,
+                   event if all_reduce_input is not None else None)
 
 
 def _as_c10d(group, backend, device, kind, stage):

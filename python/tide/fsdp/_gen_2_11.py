@@ -59,7 +59,7 @@ def reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_st
         reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
         all_reduce_stream, partial_reduce_output, all_reduce_hook,
         force_sum_reduction_for_comms, views_in(orig_dtype),
-        run_post_accumulate_hooks=not _compiled_autograd())
+        run_post_accumulate_hooks=not _compiled_autograd(), all_reduce_grads=all_reduce_grads)
 
 
 def foreach_reduce(*args, **kwargs):
@@ -67,7 +67,7 @@ def foreach_reduce(*args, **kwargs):
     if r is None:
         return _core._originals["foreach_reduce"](*args, **kwargs)
     return (torch.empty(0), r.reduce_scatter_event, r.post_reduce_event, r.all_reduce_input,
-            r.all_reduce_event, None)
+            r.all_reduce_event, r.partial_reduce_output)
 
 
 SEAMS = {"foreach_all_gather": foreach_all_gather,

@@ -20,7 +20,7 @@ def foreach_reduce(*args, **kwargs):
     if r is None:
         return _core._originals["foreach_reduce"](*args, **kwargs)
     return (torch.empty(0), r.reduce_scatter_event, r.post_reduce_stream, r.post_reduce_event,
-            r.all_reduce_input, r.all_reduce_event, None)
+            r.all_reduce_input, r.all_reduce_event, r.partial_reduce_output)
 
 
 SEAMS = {"foreach_all_gather": foreach_all_gather,

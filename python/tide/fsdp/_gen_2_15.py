@@ -85,12 +85,13 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
         reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
         all_reduce_stream, partial_reduce_output, all_reduce_hook,
-        force_sum_reduction_for_comms, view, run_post_accumulate_hooks=True, why_not=why_not)
+        force_sum_reduction_for_comms, view, run_post_accumulate_hooks=True, why_not=why_not,
+        all_reduce_grads=all_reduce_grads)
     if r is None:
         return _core._originals["foreach_reduce"](
             *args, prepare_reduce_scatter_inputs=prepare)
     return (torch.empty(0), r.reduce_scatter_event, r.post_reduce_stream, r.post_reduce_event,
-            r.all_reduce_input, r.all_reduce_event, None)
+            r.all_reduce_input, r.all_reduce_event, r.partial_reduce_output)
 
 
 SEAMS = {"foreach_all_gather": foreach_all_gather,

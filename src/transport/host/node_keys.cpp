@@ -24,10 +24,10 @@ std::string host_identity() {
 }
 
 NodeKeys exchange_node_keys(Store& store, const std::string& ns, int rank, int world_size,
-                            std::chrono::milliseconds timeout) {
+                            std::chrono::milliseconds timeout, int job_rank) {
   std::string key = host_identity();
   if (const int64_t local = env::get_int("TIDE_LOCAL_WORLD_SIZE", 0); local > 0)
-    key += detail::concat("#pseudo-node", rank / local);
+    key += detail::concat("#pseudo-node", (job_rank >= 0 ? job_rank : rank) / local);
   const std::string record = detail::concat(::getpid(), ' ', key);  // "<pid> <key>"
   store.set(ns + "/tide/node/" + std::to_string(rank), std::vector<uint8_t>(record.begin(), record.end()));
   NodeKeys out;
