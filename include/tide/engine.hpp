@@ -82,8 +82,9 @@ uint64_t node_param_all_gather(const NodeAllGather& args, Engine& engine, NodePe
 namespace tide {
 
 // NodePeers over a node's host communicator: rank r's storage of param p at
-// storage_offsets[p] bytes into storages->peer(local rank of r), and one 8-byte progress
-// word per rank in `progress` (both allocated on node_comm, so symmetric on the node).
+// storage_offsets[p] bytes into storages->peer(local rank of r), and each rank's progress
+// (a futex word) in its 64-byte part of `progress` (both allocated on node_comm, so
+// symmetric on the node).
 std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology& topology, int rank,
                                            SymmetricBuffer& progress, SymmetricBuffer& storages,
                                            std::vector<size_t> storage_offsets, std::chrono::milliseconds timeout);
