@@ -1,31 +1,17 @@
 // The peers of a node as the two-level collectives see them (include/tide/engine.hpp):
 // storages and progress words in symmetric memory of the node's host communicator. A
-// waiter spins briefly, then sleeps in FUTEX_WAIT on the peer's word (shared, not
-// FUTEX_PRIVATE: the waker is another process), woken by publish(): no sleep overshoots a
-// peer's progress, which small collectives would pay at every wait.
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <climits>
+// waiter spins briefly, then sleeps on the peer's word (SharedCounter), woken by
+// publish(): no sleep overshoots a peer's progress, which small collectives would pay at
+// every wait.
 #include <thread>
+
+#include "../core/shared_counter.hpp"
 
 #include "tide/engine.hpp"
 #include "tide/error.hpp"
 
 namespace tide {
 namespace {
-
-// One rank's progress, in its 64-byte part of the progress buffer: the low 32 bits of the
-// value (compared cyclically: values only grow) and the number of sleepers to wake.
-struct Progress {
-  std::atomic<uint32_t> value;
-  std::atomic<uint32_t> waiters;
-};
-static_assert(std::atomic<uint32_t>::is_always_lock_free);
-
-bool reached(uint32_t cur, uint32_t target) { return static_cast<int32_t>(cur - target) >= 0; }
 
 class SymmetricNodePeers final : public NodePeers {
  public:
@@ -37,27 +23,19 @@ class SymmetricNodePeers final : public NodePeers {
   const std::byte* storage(int rank, int param) override {
     return storages_.peer(local(rank)) + offsets_.at(static_cast<size_t>(param));
   }
-  void publish(uint64_t value) override {
-    Progress& p = word(me_);
-    p.value.store(static_cast<uint32_t>(value), std::memory_order_seq_cst);
-    if (p.waiters.load(std::memory_order_seq_cst) != 0) futex(&p.value, FUTEX_WAKE, INT_MAX, nullptr);
-  }
+  void publish(uint64_t value) override { word(me_).post(static_cast<uint32_t>(value)); }
   void await(int rank, uint64_t value) override {
-    Progress& p = word(rank);
+    SharedCounter& p = word(rank);
     const uint32_t target = static_cast<uint32_t>(value);
-    if (reached(p.value.load(std::memory_order_acquire), target)) return;
+    if (p.reached(target)) return;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < 2000; ++i) {  // a few microseconds: a peer that is nearly there
-      if (reached(p.value.load(std::memory_order_acquire), target)) return;
+    for (int i = 0; i < 2000; ++i) {  // a short spin: a peer that is nearly there
+      if (p.reached(target)) return;
       std::this_thread::yield();
     }
     const timespec nap{0, 5'000'000};  // between deadline checks
     for (;;) {
-      p.waiters.fetch_add(1, std::memory_order_seq_cst);
-      const uint32_t cur = p.value.load(std::memory_order_seq_cst);
-      if (!reached(cur, target)) futex(&p.value, FUTEX_WAIT, cur, &nap);
-      p.waiters.fetch_sub(1, std::memory_order_seq_cst);
-      if (reached(p.value.load(std::memory_order_acquire), target)) return;
+      if (p.sleep(target, nap)) return;
       if (std::chrono::steady_clock::now() - start >= timeout_)
         throw TimeoutError(detail::concat("tide param_all_gather: rank ", me_, " timed out after ", timeout_.count(),
                                           " ms waiting for rank ", rank, " (same node) to reach step ", value));
@@ -71,10 +49,8 @@ class SymmetricNodePeers final : public NodePeers {
                rank, " on another node");
     return topo_.local_rank(rank);
   }
-  Progress& word(int rank) { return *reinterpret_cast<Progress*>(progress_.peer(local(rank))); }
-  static long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
-    return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
-  }
+  // Each rank's progress (the low 32 bits of the value) in its 64-byte part of `progress`.
+  SharedCounter& word(int rank) { return *reinterpret_cast<SharedCounter*>(progress_.peer(local(rank))); }
 
   Comm& node_;
   plan::Topology topo_;

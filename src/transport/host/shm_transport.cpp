@@ -7,10 +7,8 @@
 // spin briefly, then sleep in FUTEX_WAIT on the shared word (not FUTEX_PRIVATE: the waker is
 // another process) with a short timeout, re-checking the deadline and peer liveness.
 #include <fcntl.h>
-#include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 #include <immintrin.h>
@@ -31,6 +29,7 @@
 
 #include "../../core/convert.hpp"
 #include "../../core/env.hpp"
+#include "../../core/shared_counter.hpp"
 #include "tide/error.hpp"
 #include "tide/fd_channel.hpp"
 #include "tide/host_transport.hpp"
@@ -50,10 +49,7 @@ constexpr auto kNap = std::chrono::milliseconds(5);  // futex timeout between li
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
-struct alignas(kLine) FlagLine {
-  std::atomic<uint32_t> value;
-  std::atomic<uint32_t> waiters;  // sleepers in FUTEX_WAIT, so post() only syscalls when needed
-};
+struct alignas(kLine) FlagLine : SharedCounter {};
 static_assert(sizeof(FlagLine) == kLine);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
@@ -67,11 +63,6 @@ struct Header {
   char abort_msg[512];
 };
 
-bool reached(uint32_t cur, uint32_t target) { return static_cast<int32_t>(cur - target) >= 0; }
-
-long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
-}
 
 // kill(pid, 0) succeeds on a zombie (dead, not yet reaped), so look at /proc too.
 bool process_dead(pid_t pid) {
@@ -450,28 +441,22 @@ class ShmTransport final : public Transport {
   uint64_t counter_start() const override { return counter_start_; }
 
   void post(Flag f, uint64_t value) override {
-    FlagLine& l = flag(rank_, f);
-    l.value.store(static_cast<uint32_t>(value), std::memory_order_seq_cst);
-    if (l.waiters.load(std::memory_order_seq_cst) != 0) futex(&l.value, FUTEX_WAKE, INT_MAX, nullptr);
+    flag(rank_, f).post(static_cast<uint32_t>(value));
   }
 
   void wait(int peer, Flag f, uint64_t counter) override {
     FlagLine& l = flag(peer, f);
     const uint32_t value = static_cast<uint32_t>(counter);
-    if (reached(l.value.load(std::memory_order_acquire), value)) return;
+    if (l.reached(value)) return;
     const auto spin_until = Clock::now() + kSpin;
     for (int i = 1;; ++i) {
       _mm_pause();
-      if (reached(l.value.load(std::memory_order_acquire), value)) return;
+      if (l.reached(value)) return;
       if ((i & 31) == 0 && Clock::now() >= spin_until) break;
     }
     const timespec nap{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kNap).count()};
     for (;;) {
-      l.waiters.fetch_add(1, std::memory_order_seq_cst);
-      uint32_t cur = l.value.load(std::memory_order_seq_cst);
-      if (!reached(cur, value)) futex(&l.value, FUTEX_WAIT, cur, &nap);
-      l.waiters.fetch_sub(1, std::memory_order_seq_cst);
-      if (reached(l.value.load(std::memory_order_acquire), value)) return;
+      if (l.sleep(value, nap)) return;
       check_alive(peer);
     }
   }
