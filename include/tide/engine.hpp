@@ -57,6 +57,14 @@ class NodePeers {
   virtual void publish(uint64_t value) = 0;
   virtual void await(int rank, uint64_t value) = 0;
   virtual void barrier() = 0;
+  // The node's memory moves, in this rank's order of work: `rows` rows of `width` bytes,
+  // rows dst_pitch / src_pitch bytes apart. The host does it at once (the default); CUDA
+  // enqueues it on the collective's stream, as it does publish, await, barrier and the
+  // engine's exchanges, so the executor never reads on the host what it moved.
+  virtual void copy(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows);
+  // A buffer of `bytes` in the memory the engine moves (host here, device memory on CUDA),
+  // freed when its last owner lets go, after the work enqueued before that.
+  virtual std::shared_ptr<std::byte> scratch(size_t bytes);
 };
 
 // TIDE-AG across nodes, once this rank's own shard sits at its placement in its own

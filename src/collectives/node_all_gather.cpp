@@ -4,8 +4,6 @@
 // from there; each inter-node hop moves a block once (contiguous blocks go straight from
 // the sender's storage into the receiver's).
 #include <algorithm>
-#include <cstring>
-#include <list>
 #include <memory>
 #include <vector>
 
@@ -20,15 +18,20 @@ namespace {
 
 bool contiguous(const plan::Strided& p) { return p.count <= 1 || p.run == p.stride; }
 
-// Copies block `pat` (elements of es bytes) to dst from src, each side either where the
-// block lies in a storage (placed) or packed from the start of a buffer.
+// Copies block `pat` (elements of es bytes) to dst from src through the node's memory moves,
+// each side either where the block lies in a storage (placed) or packed from the start of a
+// buffer: one 2D copy of `count` rows of `run` elements.
 enum class At { placed, packed };
-void copy_block(std::byte* dst, At dst_at, const std::byte* src, At src_at, const plan::Strided& pat, size_t es) {
-  auto at = [&](At where, int64_t k) {
-    return static_cast<size_t>(where == At::placed ? pat.offset + k * pat.stride : k * pat.run) * es;
+void copy_block(NodePeers& peers, std::byte* dst, At dst_at, const std::byte* src, At src_at,
+                const plan::Strided& pat, size_t es) {
+  if (pat.count <= 0 || pat.run <= 0) return;
+  const size_t width = static_cast<size_t>(pat.run) * es;
+  auto start = [&](At where) { return where == At::placed ? static_cast<size_t>(pat.offset) * es : size_t{0}; };
+  auto pitch = [&](At where) {
+    return where == At::placed && pat.count > 1 ? static_cast<size_t>(pat.stride) * es : width;
   };
-  for (int64_t k = 0; k < pat.count; ++k)
-    std::memcpy(dst + at(dst_at, k), src + at(src_at, k), static_cast<size_t>(pat.run) * es);
+  peers.copy(dst + start(dst_at), pitch(dst_at), src + start(src_at), pitch(src_at), width,
+             static_cast<size_t>(pat.count));
 }
 
 }  // namespace
@@ -54,7 +57,8 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
     for (const plan::NodeLocalCopy* c : copies_after[static_cast<size_t>(after_step + 1)]) {
       peers.await(c->block.src_rank, reached(after_step));
       const std::byte* src = peers.storage(c->block.src_rank, c->block.param);
-      for (const plan::Strided& pat : c->block.storage) copy_block(mine(c->block.param), At::placed, src, At::placed, pat, es);
+      for (const plan::Strided& pat : c->block.storage)
+        copy_block(peers, mine(c->block.param), At::placed, src, At::placed, pat, es);
     }
   };
 
@@ -62,9 +66,9 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   local_copies(-1);
   std::vector<EngineSend> sends;
   std::vector<EngineRecv> recvs;
-  // Strided blocks are sent from / received into packed buffers (a list per round: its
-  // buffers must not move while in flight, and the engine keeps them alive past a failure).
-  std::shared_ptr<std::list<std::vector<std::byte>>> packed;
+  // Strided blocks are sent from / received into packed buffers (the node's scratch: device
+  // memory on CUDA), kept alive by the engine past a failure.
+  std::shared_ptr<std::vector<std::shared_ptr<std::byte>>> packed;
   struct Unpack {
     std::byte* storage;
     plan::Strided pat;
@@ -75,7 +79,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
     for (const plan::Round& round : s.inter_node.steps[k].rounds) {
       sends.clear();
       recvs.clear();
-      packed = std::make_shared<std::list<std::vector<std::byte>>>();
+      packed = std::make_shared<std::vector<std::shared_ptr<std::byte>>>();
       unpacks.clear();
       for (const plan::Transfer& tr : round.transfers) {
         if (tr.src_rank != me && tr.dst_rank != me) continue;
@@ -94,18 +98,18 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
               recvs.push_back({peer, at, bytes});
             continue;
           }
-          std::vector<std::byte>& buf = packed->emplace_back(bytes);
+          std::byte* buf = packed->emplace_back(peers.scratch(bytes)).get();
           if (sending) {
-            copy_block(buf.data(), At::packed, base, At::placed, pat, es);
-            sends.push_back({peer, buf.data(), bytes});
+            copy_block(peers, buf, At::packed, base, At::placed, pat, es);
+            sends.push_back({peer, buf, bytes});
           } else {
-            recvs.push_back({peer, buf.data(), bytes});
-            unpacks.push_back({base, pat, buf.data()});
+            recvs.push_back({peer, buf, bytes});
+            unpacks.push_back({base, pat, buf});
           }
         }
       }
       engine.exchange(sends, recvs, packed);
-      for (const Unpack& u : unpacks) copy_block(u.storage, At::placed, u.from, At::packed, u.pat, es);
+      for (const Unpack& u : unpacks) copy_block(peers, u.storage, At::placed, u.from, At::packed, u.pat, es);
     }
     peers.publish(reached(static_cast<int>(k)));
     local_copies(static_cast<int>(k));

@@ -3,6 +3,7 @@
 // waiter spins briefly, then sleeps on the peer's word (SharedCounter), woken by
 // publish(): no sleep overshoots a peer's progress, which small collectives would pay at
 // every wait.
+#include <cstring>
 #include <thread>
 
 #include "../core/shared_counter.hpp"
@@ -62,6 +63,16 @@ class SymmetricNodePeers final : public NodePeers {
 };
 
 }  // namespace
+
+void NodePeers::copy(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) {
+  for (size_t k = 0; k < rows; ++k)
+    std::memcpy(static_cast<std::byte*>(dst) + k * dst_pitch, static_cast<const std::byte*>(src) + k * src_pitch,
+                width);
+}
+
+std::shared_ptr<std::byte> NodePeers::scratch(size_t bytes) {
+  return std::shared_ptr<std::byte>(new std::byte[bytes], std::default_delete<std::byte[]>());
+}
 
 std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology& topology, int rank,
                                            SymmetricBuffer& progress, SymmetricBuffer& storages,

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -118,8 +119,118 @@ class ThreadPeers : public NodePeers {
   int me_;
 };
 
-// Runs the all-gather twice (progress values carry on) and checks every rank's storages.
-void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pace_bytes) {
+// A rank's queue of work run by a thread of its own, in the order enqueued: what a CUDA
+// stream does with the executor's copies, progress words and engine exchanges. Nothing runs
+// before synchronize() (a stream that is slow to start), so the executor, which only
+// enqueues, fails the test if it reads on the host what an enqueued move has not produced
+// yet, or frees a buffer that queued work still uses.
+class Stream {
+ public:
+  Stream() : thread_([this] { loop(); }) {}
+  ~Stream() {
+    {
+      std::lock_guard lock(mu_);
+      running_ = true;
+    }
+    enqueue({});
+    thread_.join();
+  }
+  void enqueue(std::function<void()> f) {
+    std::lock_guard lock(mu_);
+    queue_.push_back(std::move(f));
+    cv_.notify_all();
+  }
+  std::string synchronize() {  // runs the queue out; the first error of the work so far
+    std::unique_lock lock(mu_);
+    running_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+    running_ = false;
+    return error_;
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> f;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return running_ && !queue_.empty(); });
+        f = std::move(queue_.front());
+        queue_.pop_front();
+        if (!f) return;
+        busy_ = true;
+      }
+      try {
+        if (error_.empty()) f();
+      } catch (const std::exception& e) {
+        error_ = e.what();
+      }
+      std::lock_guard lock(mu_);
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool busy_ = false, running_ = false;
+  std::string error_;
+  std::thread thread_;
+};
+
+class StreamPeers : public NodePeers {
+ public:
+  StreamPeers(NodePeers& inner, Stream& s) : inner_(inner), s_(s) {}
+  const std::byte* storage(int rank, int param) override { return inner_.storage(rank, param); }
+  void publish(uint64_t value) override { s_.enqueue([this, value] { inner_.publish(value); }); }
+  void await(int rank, uint64_t value) override { s_.enqueue([this, rank, value] { inner_.await(rank, value); }); }
+  void barrier() override { s_.enqueue([this] { inner_.barrier(); }); }
+  void copy(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) override {
+    s_.enqueue([=, this] { inner_.copy(dst, dst_pitch, src, src_pitch, width, rows); });
+  }
+  std::shared_ptr<std::byte> scratch(size_t bytes) override {
+    // Poisoned, and freed in queue order (as cudaFreeAsync): a read before the move into
+    // it or after the free shows up as wrong bytes or under ASan.
+    auto* p = new std::byte[bytes];
+    std::memset(p, 0xAB, bytes);
+    Stream* s = &s_;
+    return std::shared_ptr<std::byte>(p, [s](std::byte* q) { s->enqueue([q] { delete[] q; }); });
+  }
+
+ private:
+  NodePeers& inner_;
+  Stream& s_;
+};
+
+class StreamEngine : public Engine {
+ public:
+  StreamEngine(Engine& inner, Stream& s) : inner_(inner), s_(s) {}
+  const char* name() const override { return "test mailbox on a stream"; }
+  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+             std::shared_ptr<const void> keep_alive) override {
+    s_.enqueue([this, sends = std::vector<EngineSend>(sends.begin(), sends.end()),
+                recvs = std::vector<EngineRecv>(recvs.begin(), recvs.end()), keep_alive] {
+      inner_.start(sends, recvs);
+      held_.push_back(keep_alive);  // until the exchange finished, in queue order
+    });
+  }
+  void finish() override {
+    s_.enqueue([this] {
+      inner_.finish();
+      held_.pop_front();
+    });
+  }
+
+ private:
+  Engine& inner_;
+  Stream& s_;
+  std::deque<std::shared_ptr<const void>> held_;  // touched by the queue's thread only
+};
+
+// Runs the all-gather twice (progress values carry on) and checks every rank's storages;
+// `streams`: every rank's moves, progress and exchanges go through a Stream.
+void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pace_bytes, bool streams = false) {
   const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
       g, topo, plan::planner_pace(g, pace_bytes, static_cast<int64_t>(es)));
   World w(g, topo, es);
@@ -128,19 +239,26 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
   for (int r = 0; r < topo.world_size; ++r)
     threads.emplace_back([&, r] {
       try {
-        MailEngine engine(w, r);
-        ThreadPeers peers(w, r);
+        MailEngine mail(w, r);
+        ThreadPeers node(w, r);
+        Stream stream;
+        StreamEngine queued_mail(mail, stream);
+        StreamPeers queued_node(node, stream);
+        Engine& engine = streams ? static_cast<Engine&>(queued_mail) : mail;
+        NodePeers& peers = streams ? static_cast<NodePeers&>(queued_node) : node;
         std::vector<void*> storages;
         for (auto& s : w.storage[r]) storages.push_back(s.data());
         uint64_t base = 0;
         for (int rep = 0; rep < 2; ++rep) {  // the second starts from fill bytes again
           if (rep) {
-            peers.barrier();  // nobody reads the first result any more
+            node.barrier();  // nobody reads the first result any more
             for (auto& s : w.storage[r]) std::fill(s.begin(), s.end(), std::byte{0xEE});
-            peers.barrier();
+            node.barrier();
           }
           w.place_own(r);
           base = node_param_all_gather({&g, &schedule, r, storages, es, base}, engine, peers);
+          const std::string error = stream.synchronize();
+          TIDE_CHECK(error.empty(), error);
         }
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -177,6 +295,21 @@ TEST(NodeAllGather, MatchesTheReferenceAtOneToSevenNodes) {
         run(g, {ws, local, nodes}, es, std::vector<int64_t>{16, 40, 1 << 20}[(nodes + local) % 3]);
         if (HasFatalFailure()) return;
       }
+}
+
+TEST(NodeAllGather, RunsStreamOrdered) {
+  // The CUDA executor's situation: every move, progress word and exchange is enqueued and
+  // runs later, in order, on a queue of the rank's own (Shard(1) for the packed buffers).
+  std::mt19937 rng(7);
+  for (auto [nodes, local] : {std::pair{2, 2}, {3, 2}, {5, 1}, {2, 3}}) {
+    const int ws = nodes * local;
+    const plan::GroupLayout g = plan::plan_group(plan::testing::random_params(rng, ws), ws);
+    run(g, {ws, local, nodes}, 4, 40, true);
+    if (HasFatalFailure()) return;
+  }
+  const plan::GroupLayout g = plan::plan_group({{{5, 12}, 4, 1}, {{7}, 2, 0}}, 6);
+  run(g, {6, 3, 2}, 4, 1 << 20, true);  // unpaced: whole strided blocks, packed
+  run(g, {6, 2, 3}, 4, 1 << 20, true);
 }
 
 TEST(NodeAllGather, ShardOnDimOneTravelsPackedAcrossNodes) {
