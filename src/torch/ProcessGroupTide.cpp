@@ -787,6 +787,7 @@ class NodeSymmetric final : public tide::SymmetricBuffer {
   std::byte* peer(int rank) override { return inner_->peer(local_rank(rank)); }
   size_t bytes(int rank) const override { return inner_->bytes(local_rank(rank)); }
   void release(size_t offset, size_t bytes) override { inner_->release(offset, bytes); }
+  int device() const override { return inner_->device(); }
   const std::shared_ptr<tide::SymmetricBuffer>& inner() const { return inner_; }
 
  private:
@@ -806,16 +807,40 @@ void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) 
   engine_ = std::make_unique<GlooEngine>(cpu_, timeout_);
 }
 
-std::string ProcessGroupTide::why_not_across_nodes() const {
+std::string ProcessGroupTide::why_not_across_nodes(int device) const {
   if (!topology_) return "its nodes are not equal blocks of consecutive ranks (" + topology_error_ + ")";
+  if (device >= 0) {
+#ifdef TIDE_WITH_CUDA
+    if (!cuda_) return "no inter-node engine (NCCL) was set for CUDA tensors";
+#else
+    return "tide was built without CUDA";
+#endif
+  }
+  // gloo also carries the CUDA path's cross-rank argument checks across nodes.
   if (!engine_) return "no inter-node engine (gloo) was set";
   return "";
 }
 
+std::string ProcessGroupTide::inter_node_engine(int device) {
+  if (device < 0) return engine_ ? engine_->name() : "";
+#ifdef TIDE_WITH_CUDA
+  return cuda_path().engine_description();
+#else
+  return "";
+#endif
+}
+
+int64_t ProcessGroupTide::inter_node_bytes_sent() const {
+  int64_t bytes = engine_ ? engine_->bytes_sent() : 0;
+#ifdef TIDE_WITH_CUDA
+  if (cuda_path_) bytes += cuda_path_->inter_node_bytes_sent();
+#endif
+  return bytes;
+}
+
 void ProcessGroupTide::require_one_node(const char* op) const {
-  TORCH_CHECK(comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
-              " nodes; across nodes, TIDE's FSDP2 collectives run on CPU tensors only so far (tide.fsdp keeps "
-              "FSDP2's stock path for CUDA tensors on such groups)");
+  TORCH_CHECK(comm_ || node_comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
+              " nodes and ", why_not_across_nodes());
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<at::Tensor>& tensors,
@@ -834,12 +859,29 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<a
 
 #ifdef TIDE_WITH_CUDA
 CudaPath& ProcessGroupTide::cuda_path() {
-  require_one_node("FSDP2 on CUDA");
   if (!cuda_path_) {
+    std::optional<CudaPath::AcrossNodes> nodes;
+    if (!comm_) {
+      const std::string why = why_not_across_nodes(0);
+      TORCH_CHECK(why.empty(), "tide FSDP2 on CUDA: rank ", getRank(), ": this group spans ", num_nodes_,
+                  " nodes and ", why);
+      nodes = CudaPath::AcrossNodes{*topology_, cuda_};
+    }
     // The argument checks all-gather a fingerprint through the host communicator, on the
-    // worker, so they stay ordered with CPU collectives issued before.
+    // worker, so they stay ordered with CPU collectives issued before (across nodes: gloo,
+    // in the caller's order like every other op on it).
     auto exchange = [this](const std::vector<uint8_t>& mine) {
       std::vector<std::vector<uint8_t>> all(getSize(), std::vector<uint8_t>(mine.size()));
+      if (!comm_) {
+        auto bytes = [](const void* p, size_t n) {
+          return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
+        };
+        std::vector<at::Tensor> in{bytes(mine.data(), mine.size())};
+        std::vector<std::vector<at::Tensor>> out(1);
+        for (auto& v : all) out[0].push_back(bytes(v.data(), v.size()));
+        cpu_->allgather(out, in)->wait(timeout_);
+        return all;
+      }
       auto work = enqueue(c10d::OpType::ALLGATHER, "tide:cuda_check", {}, [this, &mine, &all]() {
         std::vector<void*> outs;
         for (auto& v : all) outs.push_back(v.data());
@@ -849,7 +891,7 @@ CudaPath& ProcessGroupTide::cuda_path() {
       return all;
     };
     cuda_path_ = std::make_unique<CudaPath>(std::make_shared<C10dStore>(store_), "pg" + group_name_ + "/cuda",
-                                            getRank(), getSize(), timeout_, exchange);
+                                            getRank(), getSize(), timeout_, exchange, std::move(nodes));
   }
   return *cuda_path_;
 }
@@ -873,6 +915,16 @@ std::pair<size_t, int> ProcessGroupTide::cuda_staging_geometry(int device) {
 }
 
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
+  if (!comm_ && node_comm_ && device >= 0) {  // across nodes on CUDA: the node's GPUs
+#ifdef TIDE_WITH_CUDA
+    auto buffer = std::make_shared<NodeSymmetric>(cuda_path().allocate_symmetric(bytes, device), *topology_, getRank());
+    node_buffers_.push_back(buffer);
+    return buffer;
+#else
+    TORCH_CHECK(false, "tide allocate_symmetric: rank ", getRank(), ": cuda:", device,
+                " requested, but tide was built without CUDA");
+#endif
+  }
   if (!comm_ && node_comm_ && device < 0) {  // across nodes: symmetric within the node
     auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
     auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {}, [this, bytes, result]() {
@@ -901,8 +953,10 @@ std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size
 ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
     std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
+  TORCH_CHECK(shards, "tide param_all_gather: rank ", getRank(), ": no shard memory");
+  const int device = shards->device();
   if (!comm_) {
-    const std::string why = why_not_across_nodes();
+    const std::string why = why_not_across_nodes(device);
     TORCH_CHECK(why.empty(), "tide param_all_gather: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
   }
   OpContext ctx{"param_all_gather", getRank()};
@@ -912,8 +966,6 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
               storages.size(), " storages");
   TORCH_CHECK(layout.world_size == getSize(), "tide param_all_gather: rank ", getRank(),
               ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
-  TORCH_CHECK(shards, "tide param_all_gather: rank ", getRank(), ": no shard memory");
-  const int device = shards->device();
   auto storage_dtype = storages.empty() ? DType::f32 : to_dtype(storages[0].scalar_type(), ctx);
   for (size_t p = 0; p < n; ++p) {
     check_param_tensor(storages[p], device, ctx, "storage");
@@ -927,10 +979,7 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
   // Across nodes, node peers read each other's storages: in node-symmetric memory.
   std::shared_ptr<tide::SymmetricBuffer> home;
   std::vector<size_t> storage_offsets;
-  if (!comm_) {
-    TORCH_CHECK(device < 0, "tide param_all_gather: rank ", getRank(), ": CUDA tensors across nodes are not supported yet");
-    std::tie(home, storage_offsets) = node_storage_home(storages);
-  }
+  if (!comm_) std::tie(home, storage_offsets) = node_storage_home(storages);
   // The call itself: on the worker thread (host), or right here (CUDA: stream-ordered).
   auto call = [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype, device, home,
                storage_offsets]() -> c10::intrusive_ptr<c10d::Work> {
@@ -944,6 +993,8 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     args.storages = ptrs;
     args.storage_dtype = storage_dtype;
 #ifdef TIDE_WITH_CUDA
+    if (device >= 0 && !comm_)
+      return cuda_path().param_all_gather_across_nodes(args, *home, storage_offsets, storages, device);
     if (device >= 0) return cuda_path().param_all_gather(args, storages, device);
 #endif
     if (comm_) {
@@ -1002,11 +1053,9 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     std::shared_ptr<tide::SymmetricBuffer> reuse,
     std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
   if (!comm_) {
-    const std::string why = why_not_across_nodes();
+    const std::string why = why_not_across_nodes(out.defined() && out.is_cuda() ? out.device().index() : -1);
     TORCH_CHECK(why.empty(), "tide param_reduce_scatter: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
-    TORCH_CHECK(!out.defined() || !out.is_cuda(), "tide param_reduce_scatter: rank ", getRank(),
-                ": CUDA tensors across nodes are not supported yet");
-    // Slot-Reuse memory across nodes is node-symmetric: the node's communicator indexes it by local rank.
+    // Slot-Reuse memory across nodes is node-symmetric: the node's group indexes it by local rank.
     if (reuse) {
       auto* node_reuse = dynamic_cast<NodeSymmetric*>(reuse.get());
       TORCH_CHECK(node_reuse, "tide param_reduce_scatter: rank ", getRank(),

@@ -104,10 +104,13 @@ class ProcessGroupTide : public c10d::Backend {
   // transport: its standard ops on CPU tensors go to this gloo backend (python/tide/_backend.py).
   int num_nodes() const { return num_nodes_; }
   void set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo);
-  // Whether TIDE-AG runs across this group's nodes (equal nodes of consecutive ranks, a
-  // gloo engine set); else why not.
-  std::string why_not_across_nodes() const;
-  int64_t inter_node_bytes_sent() const { return engine_ ? engine_->bytes_sent() : 0; }
+  // Whether TIDE-AG runs across this group's nodes for tensors on `device` (-1: CPU): equal
+  // nodes of consecutive ranks and an engine (gloo on CPUs; on CUDA the NCCL delegate and a
+  // tide built with CUDA); "" when it does, else why not.
+  std::string why_not_across_nodes(int device = -1) const;
+  // The engine between nodes for `device`, in words ("gloo", "nccl send-recv", ...).
+  std::string inter_node_engine(int device = -1);
+  int64_t inter_node_bytes_sent() const;
 
   // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
   // Each call runs on CUDA when its tensors are CUDA tensors (cuda/CudaPath.hpp: stream

@@ -162,8 +162,11 @@ void bind_backend(pybind11::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")
       .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"))
-      .def("why_not_across_nodes", &ProcessGroupTide::why_not_across_nodes,
-           "'' where TIDE-AG runs across this group's nodes, else why not.")
+      .def("why_not_across_nodes", &ProcessGroupTide::why_not_across_nodes, py::arg("device") = -1,
+           "'' where TIDE-AG runs across this group's nodes for tensors on `device` (-1: CPU), else why not.")
+      .def("inter_node_engine", &ProcessGroupTide::inter_node_engine, py::arg("device") = -1,
+           py::call_guard<py::gil_scoped_release>(),
+           "What moves TIDE's bytes between nodes for tensors on `device` (-1: CPU): 'gloo', 'nccl send-recv'.")
       .def("inter_node_bytes_sent", &ProcessGroupTide::inter_node_bytes_sent,
            "Bytes this rank sent through the inter-node engine (TIDE's own collectives).")
       .def("num_nodes", &ProcessGroupTide::num_nodes,

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -223,66 +225,240 @@ inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType st
   return "all-gather ok, kernels launched: " + std::to_string(used);
 }
 
+// The inter-node engine of the across-nodes scenario: device bytes through the file store
+// (NCCL refuses two ranks on one GPU). Stream-ordered as NCCL's: a send leaves once the
+// stream's work before it is done; a receive lands before the stream's later work.
+class StoreDeviceEngine final : public Engine {
+ public:
+  StoreDeviceEngine(Store& store, plan::Topology topo, int rank, cudaStream_t stream)
+      : store_(store), topo_(topo), me_(rank), s_(stream) {}
+  const char* name() const override { return "test store (device bytes)"; }
+  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
+             std::shared_ptr<const void> keep_alive) override {
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(s_));
+    for (const EngineSend& e : sends) {
+      TIDE_EXPECT(topo_.node_of(e.peer) != topo_.node_of(me_), "engine message from rank ", me_, " to rank ", e.peer,
+                  " on its own node");
+      std::vector<uint8_t> bytes(e.bytes);
+      TIDE_CUDA_CHECK(cudaMemcpy(bytes.data(), e.data, e.bytes, cudaMemcpyDeviceToHost));
+      store_.set(detail::concat("m/", me_, "/", e.peer, "/", sent_[e.peer]++), bytes);
+      bytes_ += static_cast<int64_t>(e.bytes);
+    }
+    pending_.push_back({std::vector<EngineRecv>(recvs.begin(), recvs.end()), std::move(keep_alive)});
+  }
+  void finish() override {
+    auto [recvs, keep_alive] = std::move(pending_.front());
+    pending_.pop_front();
+    for (const EngineRecv& e : recvs) {
+      const std::vector<uint8_t> v = store_.get(detail::concat("m/", e.peer, "/", me_, "/", received_[e.peer]++),
+                                                std::chrono::seconds(60));
+      TIDE_EXPECT(v.size() == e.bytes, "message of ", v.size(), " bytes for a receive of ", e.bytes);
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(e.data, v.data(), v.size(), cudaMemcpyHostToDevice, s_));
+      TIDE_CUDA_CHECK(cudaStreamSynchronize(s_));  // v is pageable and about to go
+    }
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  Store& store_;
+  plan::Topology topo_;
+  int me_;
+  cudaStream_t s_;
+  std::map<int, int> sent_, received_;
+  std::deque<std::pair<std::vector<EngineRecv>, std::shared_ptr<const void>>> pending_;
+  int64_t bytes_ = 0;
+};
+
+// TIDE-AG across pseudo-nodes on one GPU: nodes of 2 ranks at world size 4 (else 1 rank),
+// each node a CudaGroup of its own, the storages in the node's symmetric memory, the
+// inter-node rounds over StoreDeviceEngine; every rank's storages against the host
+// reference placement of every rank's shard, twice (the progress flags carry on).
+inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DType storage_t) {
+  TIDE_CUDA_CHECK(cudaSetDevice(0));
+  const int local = c.ws >= 4 ? 2 : 1;
+  const plan::Topology topo{c.ws, local, c.ws / local};
+  auto store = std::shared_ptr<Store>(make_file_store(c.dir).release());
+  cuda::CudaGroupOptions opt;
+  opt.timeout = std::chrono::seconds(60);
+  cuda::CudaGroup g(store, detail::concat("node", topo.node_of(c.rank)), topo.local_rank(c.rank), local, 0, opt);
+  const size_t ses = dtype_size(shard_t), des = dtype_size(storage_t);
+  const plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(des));
+  const size_t np = layout.params.size();
+  std::vector<size_t> shard_offs(np), storage_offs(np);
+  size_t shard_total = 0, storage_total = 0;
+  for (size_t p = 0; p < np; ++p) {
+    shard_offs[p] = shard_total;
+    shard_total += (static_cast<size_t>(layout.params[p].padded_shard_numel) * ses + 255) / 256 * 256;
+    storage_offs[p] = storage_total;
+    storage_total += (static_cast<size_t>(layout.params[p].storage_bytes()) + 255) / 256 * 256;
+  }
+  auto shards = g.allocate_symmetric(shard_total);
+  auto home = g.allocate_symmetric(storage_total);
+  for (size_t p = 0; p < np; ++p) {
+    std::vector<uint8_t> d = make_data(c.seed, c.rank, static_cast<int>(p), layout.params[p].shards[c.rank].numel, shard_t);
+    if (!d.empty()) TIDE_CUDA_CHECK(cudaMemcpy(shards->local() + shard_offs[p], d.data(), d.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<void*> storages;
+  for (size_t p = 0; p < np; ++p) storages.push_back(home->local() + storage_offs[p]);
+  StoreDeviceEngine engine(*store, topo, c.rank, g.copy_stream());
+  ParamAllGather a;
+  a.layout = &layout;
+  a.shards = shards.get();
+  a.shard_offsets = shard_offs;
+  a.shard_dtype = shard_t;
+  a.storages = storages;
+  a.storage_dtype = storage_t;
+  const cuda::NodeAllGatherArgs nodes{&topo, c.rank, home.get(), storage_offs, 96};  // paced: several rounds
+  for (int iter = 0; iter < 2; ++iter) {
+    TIDE_CUDA_CHECK(cudaMemset(home->local(), 0xFF, storage_total));
+    TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+    g.barrier();  // every rank filled before any peer reads
+    cuda::param_all_gather_across_nodes(g, a, nodes, engine, nullptr);
+    TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+    for (size_t p = 0; p < np; ++p) {
+      const plan::ParamLayout& pl = layout.params[p];
+      std::vector<uint8_t> got(static_cast<size_t>(pl.storage_bytes()));
+      TIDE_CUDA_CHECK(cudaMemcpy(got.data(), storages[p], got.size(), cudaMemcpyDeviceToHost));
+      for (int r = 0; r < c.ws; ++r) {
+        const plan::Shard& sh = pl.shards[r];
+        std::vector<uint8_t> d = make_data(c.seed, r, static_cast<int>(p), sh.numel, shard_t);
+        for (int64_t i = 0; i < sh.numel; ++i) {
+          std::vector<uint8_t> want(des);
+          if (shard_t == storage_t) {
+            std::memcpy(want.data(), &d[i * ses], des);
+          } else {
+            const uint16_t h = to_bf16(value(d, i, DType::f32));
+            std::memcpy(want.data(), &h, 2);
+          }
+          const int64_t j = at(sh.placement, i);
+          TIDE_EXPECT(std::memcmp(&got[j * des], want.data(), des) == 0, "iteration ", iter, ": param ", p,
+                      " storage element ", j, " (rank ", r, "'s shard element ", i, ") wrong on rank ", c.rank);
+        }
+      }
+    }
+    g.barrier();  // nobody reads this rank's storages any more
+  }
+  TIDE_EXPECT(topo.num_nodes == 1 || engine.bytes() > 0, "nothing went through the engine");
+  return detail::concat("all-gather across ", topo.num_nodes, " x ", local, " pseudo-nodes ok, ", engine.bytes(),
+                        " bytes through the engine");
+}
+
+// A TIDE-RS call's inputs on this rank (fresh gradients in device memory, an fp32 output
+// filled with 0xFF) and its check: every shard element bitwise equal to want(p, j, all)
+// (j: the element's index in the unsharded parameter, all: every rank's gradient of p),
+// the padding zero.
+struct RsCase {
+  std::vector<std::unique_ptr<DevBuf<uint8_t>>> bufs;
+  std::vector<const void*> grads;
+  std::vector<int64_t> out_off;
+  std::unique_ptr<DevBuf<float>> out;
+  ParamReduceScatter args;
+
+  RsCase(const RankCtx& c, const plan::GroupLayout& layout, DType grad_t, ReduceOp op) {
+    int64_t out_n = 0;
+    for (size_t p = 0; p < layout.params.size(); ++p) {
+      std::vector<uint8_t> d = make_data(c.seed, c.rank, static_cast<int>(p), layout.params[p].numel, grad_t);
+      bufs.push_back(std::make_unique<DevBuf<uint8_t>>(d.size()));
+      TIDE_CUDA_CHECK(cudaMemcpy(bufs.back()->p, d.data(), d.size(), cudaMemcpyHostToDevice));
+      grads.push_back(bufs.back()->p);
+      out_off.push_back(out_n);
+      out_n += layout.params[p].padded_shard_numel;
+    }
+    out = std::make_unique<DevBuf<float>>(static_cast<size_t>(out_n));
+    TIDE_CUDA_CHECK(cudaMemset(out->p, 0xFF, out->n * sizeof(float)));
+    TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+    args.layout = &layout;
+    args.grads = grads;
+    args.grad_dtype = grad_t;
+    args.out = out->p;
+    args.out_offsets = out_off;
+    args.out_dtype = DType::f32;
+    args.op.op = op;
+    args.op.premul_factor = 0.37;
+  }
+
+  template <class Want>
+  void check(const RankCtx& c, Want want) const {
+    TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> got(out->n);
+    TIDE_CUDA_CHECK(cudaMemcpy(got.data(), out->p, out->n * sizeof(float), cudaMemcpyDeviceToHost));
+    const plan::GroupLayout& layout = *args.layout;
+    std::vector<std::vector<uint8_t>> all(c.ws);
+    for (size_t p = 0; p < layout.params.size(); ++p) {
+      const plan::ParamLayout& pl = layout.params[p];
+      for (int r = 0; r < c.ws; ++r) all[r] = make_data(c.seed, r, static_cast<int>(p), pl.numel, args.grad_dtype);
+      const plan::Shard& sh = pl.shards[c.rank];
+      for (int64_t i = 0; i < pl.padded_shard_numel; ++i) {
+        const float g = got[static_cast<size_t>(out_off[p] + i)];
+        if (i >= sh.numel) {
+          TIDE_EXPECT(g == 0.f && !std::signbit(g), "param ", p, " padding element ", i, " is ", g);
+          continue;
+        }
+        const float w = want(at(sh.placement, i), all);
+        TIDE_EXPECT(std::memcmp(&g, &w, 4) == 0, "param ", p, " shard element ", i, " on rank ", c.rank, ": got ", g,
+                    " want ", w);
+      }
+    }
+  }
+};
+
 inline std::string scenario_reduce_scatter(const RankCtx& c, DType grad_t, ReduceOp op, int sync, size_t staging) {
   cuda::CudaGroupOptions opt;
   opt.sync = sync;
   opt.staging_bytes = staging;
   opt.rs_ctas = 3;
   Group gr = make_group(c, opt);
-  const size_t ges = dtype_size(grad_t);
-  plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(ges));
-  const size_t np = layout.params.size();
-  std::vector<std::unique_ptr<DevBuf<uint8_t>>> gbufs;
-  std::vector<const void*> grads;
-  std::vector<int64_t> out_off(np);
-  int64_t out_n = 0;
-  for (size_t p = 0; p < np; ++p) {
-    const int64_t n = layout.params[p].numel;
-    std::vector<uint8_t> d = make_data(c.seed, c.rank, static_cast<int>(p), n, grad_t);
-    gbufs.push_back(std::make_unique<DevBuf<uint8_t>>(d.size()));
-    TIDE_CUDA_CHECK(cudaMemcpy(gbufs.back()->p, d.data(), d.size(), cudaMemcpyHostToDevice));
-    grads.push_back(gbufs.back()->p);
-    out_off[p] = out_n;
-    out_n += layout.params[p].padded_shard_numel;
-  }
-  DevBuf<float> out(static_cast<size_t>(out_n));
-  TIDE_CUDA_CHECK(cudaMemset(out.p, 0xFF, out.n * sizeof(float)));
-  ParamReduceScatter a;
-  a.layout = &layout;
-  a.grads = grads;
-  a.grad_dtype = grad_t;
-  a.out = out.p;
-  a.out_offsets = out_off;
-  a.out_dtype = DType::f32;
-  a.op.op = op;
-  a.op.premul_factor = 0.37;
+  const plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(dtype_size(grad_t)));
+  RsCase rc(c, layout, grad_t, op);
   StagingReport rep;
-  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter(*gr.g, a);
-  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<float> got(out.n);
-  TIDE_CUDA_CHECK(cudaMemcpy(got.data(), out.p, out.n * sizeof(float), cudaMemcpyDeviceToHost));
+  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter(*gr.g, rc.args);
   const float scale = op == ReduceOp::avg ? 1.f / static_cast<float>(c.ws) : op == ReduceOp::premul_sum ? 0.37f : 1.f;
-  std::vector<std::vector<uint8_t>> all(c.ws);
-  for (size_t p = 0; p < np; ++p) {
-    const plan::ParamLayout& pl = layout.params[p];
-    for (int r = 0; r < c.ws; ++r) all[r] = make_data(c.seed, r, static_cast<int>(p), pl.numel, grad_t);
-    const plan::Shard& sh = pl.shards[c.rank];
-    for (int64_t i = 0; i < pl.padded_shard_numel; ++i) {
-      const float g = got[static_cast<size_t>(out_off[p] + i)];
-      if (i >= sh.numel) {
-        TIDE_EXPECT(g == 0.f && !std::signbit(g), "param ", p, " padding element ", i, " is ", g);
-        continue;
-      }
-      const int64_t j = at(sh.placement, i);
-      volatile float acc = 0.f;
-      for (int r = 0; r < c.ws; ++r) acc = acc + value(all[r], j, grad_t);
-      volatile float want = scale * acc;
-      TIDE_EXPECT(std::memcmp(&g, const_cast<float*>(&want), 4) == 0, "param ", p, " shard element ", i, " on rank ",
-                  c.rank, ": got ", g, " want ", static_cast<float>(want));
-    }
-  }
+  rc.check(c, [&](int64_t j, const std::vector<std::vector<uint8_t>>& all) {
+    volatile float acc = 0.f;  // rank order, fp32
+    for (int r = 0; r < c.ws; ++r) acc = acc + value(all[r], j, grad_t);
+    volatile float want = scale * acc;
+    return static_cast<float>(want);
+  });
   gr.g->barrier();
   return "reduce-scatter ok, slots " + std::to_string(rep.num_slots) + " x " + std::to_string(rep.slot_bytes) + " bytes";
+}
+
+// TIDE-RS across pseudo-nodes on one GPU (the nodes of scenario_all_gather_nodes; the
+// partials over StoreDeviceEngine): bitwise against the documented order computed here, the
+// node's local ranks summed in order into fp32 partials, then the nodes in order. Staging
+// small enough that windows wrap.
+inline std::string scenario_reduce_scatter_nodes(const RankCtx& c, DType grad_t, ReduceOp op) {
+  TIDE_CUDA_CHECK(cudaSetDevice(0));
+  const int local = c.ws >= 4 ? 2 : 1;
+  const plan::Topology topo{c.ws, local, c.ws / local};
+  auto store = std::shared_ptr<Store>(make_file_store(c.dir).release());
+  cuda::CudaGroupOptions opt;
+  opt.timeout = std::chrono::seconds(60);
+  opt.staging_bytes = static_cast<size_t>(2 * c.ws * 1024);  // 2 slots x ws pieces of 1 KiB
+  opt.rs_ctas = 3;
+  cuda::CudaGroup g(store, detail::concat("node", topo.node_of(c.rank)), topo.local_rank(c.rank), local, 0, opt);
+  const plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(dtype_size(grad_t)));
+  RsCase rc(c, layout, grad_t, op);
+  StoreDeviceEngine engine(*store, topo, c.rank, g.compute_stream());
+  StagingReport rep;
+  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter_across_nodes(g, rc.args, topo, c.rank, engine);
+  const float node_scale = op == ReduceOp::premul_sum ? 0.37f : 1.f;
+  const float final_scale = op == ReduceOp::avg ? 1.f / static_cast<float>(c.ws) : 1.f;
+  rc.check(c, [&](int64_t j, const std::vector<std::vector<uint8_t>>& all) {
+    volatile float nodes_sum = 0.f;  // nodes in order of their partials (local ranks in order)
+    for (int n = 0; n < topo.num_nodes; ++n) {
+      volatile float node_sum = 0.f;
+      for (int l = 0; l < local; ++l) node_sum = node_sum + value(all[topo.rank_of(n, l)], j, grad_t);
+      volatile float partial = node_scale * node_sum;
+      nodes_sum = nodes_sum + partial;
+    }
+    volatile float want = final_scale * nodes_sum;
+    return static_cast<float>(want);
+  });
+  TIDE_EXPECT(topo.num_nodes == 1 || engine.bytes() > 0, "nothing went through the engine");
+  g.barrier();
+  return detail::concat("reduce-scatter across ", topo.num_nodes, " x ", local, " pseudo-nodes ok, ", rep.partial_bytes,
+                        " B of partials, ", engine.bytes(), " bytes through the engine");
 }
 
 inline std::string scenario_rs_errors(const RankCtx& c) {
@@ -330,7 +506,8 @@ inline std::string scenario_rs_errors(const RankCtx& c) {
 inline std::vector<std::string> scenario_names() {
   return {"symmetric",     "ag_bf16",      "ag_f32",      "ag_cast_f32_bf16", "ag_bf16_hostsync", "rs_bf16_sum",
           "rs_bf16_avg",   "rs_f16_sum",   "rs_f32_premul", "rs_bf16_sum_hostsync", "rs_bf16_sum_bigstaging",
-          "rs_errors"};
+          "rs_errors",     "ag_nodes_bf16", "ag_nodes_cast_f32_bf16",
+          "rs_nodes_bf16_sum", "rs_nodes_f32_avg", "rs_nodes_f16_premul"};
 }
 
 std::string run_scenario(const RankCtx& c) {
@@ -362,6 +539,11 @@ std::string run_scenario(const RankCtx& c) {
   if (s == "rs_bf16_sum_hostsync") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::sum, 1, small);
   if (s == "rs_bf16_sum_bigstaging") return scenario_reduce_scatter(c, DType::bf16, ReduceOp::sum, 0, 0);
   if (s == "rs_errors") return scenario_rs_errors(c);
+  if (s == "ag_nodes_bf16") return scenario_all_gather_nodes(c, DType::bf16, DType::bf16);
+  if (s == "ag_nodes_cast_f32_bf16") return scenario_all_gather_nodes(c, DType::f32, DType::bf16);
+  if (s == "rs_nodes_bf16_sum") return scenario_reduce_scatter_nodes(c, DType::bf16, ReduceOp::sum);
+  if (s == "rs_nodes_f32_avg") return scenario_reduce_scatter_nodes(c, DType::f32, ReduceOp::avg);
+  if (s == "rs_nodes_f16_premul") return scenario_reduce_scatter_nodes(c, DType::f16, ReduceOp::premul_sum);
   throw std::runtime_error("unknown scenario " + s);
 }
 

@@ -67,6 +67,14 @@ def collectives_worker(rank, ws, want_nodes):
     failures = []
     if backend.num_nodes() != want_nodes:
         failures.append(f"{backend.num_nodes()} nodes, want {want_nodes}")
+    # The engines between the nodes: gloo for CPU tensors; for CUDA ones the NCCL delegate,
+    # which a machine without a GPU does not have (then the CUDA path says so).
+    if backend.why_not_across_nodes() or backend.inter_node_engine() != "gloo":
+        failures.append(f"CPU across nodes: {backend.why_not_across_nodes()!r}, "
+                        f"engine {backend.inter_node_engine()!r}")
+    cuda_why = backend.why_not_across_nodes(0)
+    if not torch.cuda.is_available() and "NCCL" not in cuda_why and "without CUDA" not in cuda_why:
+        failures.append(f"CUDA across nodes without a GPU: {cuda_why!r}")
 
     def inp(seed, r, n, dtype=torch.float32):
         g = torch.Generator().manual_seed(seed * 101 + r)

@@ -40,6 +40,7 @@
 #include <cuda_runtime_api.h>
 
 #include "tide/comm.hpp"
+#include "tide/engine.hpp"
 #include "tide/cuda/probe.hpp"
 #include "tide/cuda/symmetric.hpp"
 #include "tide/store.hpp"
@@ -59,7 +60,8 @@ struct CudaGroupOptions {
 
 class CudaGroup {
  public:
-  enum FlagId : uint32_t { kAgReady = 0, kAgDone, kRsReady, kRsDone, kNumFlags };
+  // node_ag: TIDE-AG across nodes, the progress of each node rank through the inter-node steps.
+  enum FlagId : uint32_t { kAgReady = 0, kAgDone, kRsReady, kRsDone, kNodeAg, kNumFlags };
   static constexpr size_t kFlagStride = 64;  // bytes between words (own cache line)
 
   // Collective. Sets `device` current in the calling thread.
@@ -183,6 +185,24 @@ struct CudaAllGatherOptions {
 void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t stream = nullptr,
                       const CudaAllGatherOptions& options = {});
 
+// TIDE-AG of a group over several nodes, `group` being this rank's node: the two-level
+// schedule of src/collectives/node_all_gather.cpp with the node peers' storages read over
+// copy engines from the symmetric memory they lie in (storage p of every node rank at
+// storage_offsets[p] of storage_home's part of that rank, indexed by local rank) and the
+// inter-node rounds over `engine`, which must be ordered on group.copy_stream() (it starts
+// after what was enqueued there before it, and what is enqueued after waits for it). Own
+// shard: shards->local() at shard_offsets, cast on the GPU where the dtypes differ. Nothing
+// waits on the host; `stream` waits for the end.
+struct NodeAllGatherArgs {
+  const plan::Topology* topology = nullptr;
+  int rank = 0;  // in the whole group
+  SymmetricBuffer* storage_home = nullptr;
+  std::span<const size_t> storage_offsets;
+  size_t pace_bytes = 0;  // per rank and round, storage dtype; 0: TIDE_ALLGATHER_PACE_BYTES or 4 MiB
+};
+void param_all_gather_across_nodes(CudaGroup& group, const ParamAllGather& args, const NodeAllGatherArgs& nodes,
+                                   Engine& engine, cudaStream_t stream);
+
 // TIDE-RS: grads (device memory, private to each rank: no symmetric allocation needed)
 // bf16/f16/f32 -> fp32 shards, ReduceOp sum / avg / premul_sum. Per pipeline chunk:
 //   phase 1 (copy stream, copy engines): this rank copies its gradient slices for every
@@ -194,5 +214,15 @@ void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t
 //     num_slots later. Other dtype/op combinations throw tide::Error.
 StagingReport param_reduce_scatter(CudaGroup& group, const ParamReduceScatter& args,
                                    cudaStream_t stream = nullptr);
+
+// TIDE-RS of a group over several nodes, `group` being this rank's node (`rank` in the whole
+// group, args.layout the whole group's): the node's ranks sum each piece, in local rank
+// order, into fp32 node partials on the rank of the destination's rail; the partials go
+// along the rail over `engine`, which must be ordered on group.compute_stream(); each rank
+// adds its shard's partials in node order (src/transport/cuda/node_reduce_scatter.cpp).
+// Same dtypes and ops as param_reduce_scatter; Slot-Reuse memory is the node's.
+StagingReport param_reduce_scatter_across_nodes(CudaGroup& group, const ParamReduceScatter& args,
+                                                const plan::Topology& topology, int rank, Engine& engine,
+                                                cudaStream_t stream = nullptr);
 
 }  // namespace tide::cuda

@@ -91,15 +91,12 @@ def _device_index(device) -> int:
 
 
 def _why_not_nodes(backend, device, collective):
-    """None where TIDE's `collective` serves the group's nodes, else why not. Across nodes
-    TIDE-AG and TIDE-RS run on CPU tensors (gloo between the nodes), not yet on CUDA."""
+    """None where TIDE's `collective` serves the group's nodes, else why not (TIDE-AG and
+    TIDE-RS across nodes: gloo between the nodes for CPU tensors, NCCL for CUDA ones)."""
     nodes = backend.num_nodes()
     if nodes == 1:
         return None
-    if device.type != "cpu":
-        return (f"the group spans {nodes} nodes, and TIDE's {collective.replace('_', '-')} across "
-                "nodes on CUDA is not built yet")
-    why = backend.why_not_across_nodes()
+    why = backend.why_not_across_nodes(_device_index(device))
     return f"the group spans {nodes} nodes and {why}" if why else None
 
 
@@ -207,7 +204,7 @@ def _group_state(fsdp_params, group, backend, device):
     dtype = dtypes.pop()
     homeable = device.type == "cpu" and not any(hasattr(fp, "_unsharded_param") for fp in fsdp_params)
     across_nodes = backend.num_nodes() > 1
-    if across_nodes and not homeable:
+    if across_nodes and device.type == "cpu" and not homeable:
         # Node peers read each other's unsharded storages: they must be symmetric memory.
         return None, "the unsharded parameters were allocated before TIDE's first all-gather"
     offsets, total = [], 0
@@ -226,9 +223,10 @@ def _group_state(fsdp_params, group, backend, device):
     # vacated storage saves no memory there, and returning its pages at every reshard
     # costs page faults at every unshard (about 5% of the demo's step).
     slot_reuse = os.environ.get("TIDE_SLOT_REUSE", "0") != "0"
-    if slot_reuse and device.type == "cuda":
+    if (slot_reuse or across_nodes) and device.type == "cuda":
         # The unsharded storages come from a symmetric pool (python/tide/_pool.py), so that
-        # vacated ones can hold the reduce-scatter's staging.
+        # vacated ones can hold the reduce-scatter's staging, and, across nodes, so that
+        # the node's peers can read them.
         state.pool = _cuda_pool(backend, device, state)
     elif (slot_reuse or across_nodes) and homeable:
         _home_unsharded_storages(state, group, backend)
@@ -365,6 +363,10 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             if state.pool is not None and getattr(fp, "_tide_pool_block", None) is None:
                 nbytes = storage.numel() * storage.element_size()
                 got = state.pool.alloc(nbytes)
+                if got is None and backend.num_nodes() > 1:
+                    # Node peers read the storages, so they must come from the pool. Every
+                    # rank makes the same requests, so every rank gets here together.
+                    return None
             if got is not None:  # Slot-Reuse on CUDA: the storage comes from the pool
                 offset, events = got
                 for event in events:
@@ -386,6 +388,11 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             all_gather_stream.wait_stream(all_gather_copy_in_stream)
         with torch.cuda.stream(all_gather_stream):
             storages = alloc_storages(all_gather_stream)
+            if storages is None:
+                _fallback("all-gather", "the symmetric pool is full (across nodes the unsharded "
+                          "storages must come from it: raise TIDE_CUDA_POOL_BYTES)")
+                stats["stock_all_gather"] += 1
+                return None
             for fp in fsdp_params:
                 fp._tide_ag_stream_storage = True
             work = _as_c10d(group, backend, device, "all_gather", lambda: backend.stage_param_all_gather(
@@ -401,8 +408,8 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             work.wait()
             work = None
     nodes = backend.num_nodes()
-    path = (f"across {nodes} nodes: inter-node over gloo (paced recursive doubling), node-local "
-            f"from the node's peers" if nodes > 1 else "node-local")
+    path = (f"across {nodes} nodes: inter-node over {backend.inter_node_engine(_device_index(device))} "
+            "(paced recursive doubling), node-local from the node's peers" if nodes > 1 else "node-local")
     _debug(f"all-gather: zero-copy on {device.type}, {path}, {len(fsdp_params)} params into "
            "their own storage")
     stats["zero_copy_all_gather"] += 1
@@ -476,8 +483,6 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         why = "world size 1"
     elif why_not:
         why = why_not
-    elif (all_reduce_group is not None or partial_reduce_output is not None) and device.type == "cuda":
-        why = "HSDP (replicate all-reduce) on CUDA"
     elif not isinstance(reduce_scatter_comm, C.DefaultReduceScatter):
         why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
     elif predivide is not None:
@@ -530,11 +535,12 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                     hook(fp.sharded_param)
 
     if device.type == "cuda":
+        hsdp = _Hsdp(all_reduce_group, all_reduce_op, all_reduce_grads, partial_reduce_output)
         return _reduce_scatter_cuda(reduce_scatter_group, fsdp_params, grads, unsharded_grads,
                                     layout, out_offsets,
                                     padded, reduce_scatter_stream, all_reduce_stream,
                                     reduce_dtype, rs_op, all_reduce_hook, accumulate, backend,
-                                    device, state.pool if state is not None else None)
+                                    device, state.pool if state is not None else None, hsdp)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
     work = _as_c10d(reduce_scatter_group, backend, device, "reduce_scatter",
@@ -592,7 +598,8 @@ def _as_c10d(group, backend, device, kind, stage):
 def _reduce_scatter_done(fsdp_params, backend, device):
     report = backend.last_staging_report()
     nodes = backend.num_nodes()
-    path = (f"across {nodes} nodes: node-local into fp32 partials, inter-node over gloo "
+    engine = backend.inter_node_engine(_device_index(device)) if nodes > 1 else ""
+    path = (f"across {nodes} nodes: node-local into fp32 partials, inter-node over {engine} "
             f"({report.partial_bytes} B of partials)" if nodes > 1 else "node-local")
     _debug(f"reduce-scatter: zero-copy on {device.type}, {path}, {len(fsdp_params)} params, "
            f"staging {report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
@@ -600,12 +607,23 @@ def _reduce_scatter_done(fsdp_params, backend, device):
     stats["zero_copy_reduce_scatter"] += 1
 
 
+@dataclass
+class _Hsdp:
+    """HSDP's replicate dimension, as FSDP2 hands it to foreach_reduce (group None: FSDP)."""
+    group: object
+    op: object
+    all_reduce_grads: bool
+    partial_reduce_output: object
+
+
 def _reduce_scatter_cuda(group, fsdp_params, grads, unsharded_grads, layout, out_offsets, padded,
                          reduce_scatter_stream, all_reduce_stream, reduce_dtype, rs_op,
-                         all_reduce_hook, accumulate, backend, device, pool):
+                         all_reduce_hook, accumulate, backend, device, pool, hsdp):
     """TIDE-RS on FSDP2's reduce-scatter stream, as stock FSDP2 orders its own: after the
     backward compute that made the gradients, and with events for FSDP2 to wait on. With a
-    pool (Slot-Reuse), the staging goes into pool memory the all-gathers vacated."""
+    pool (Slot-Reuse), the staging goes into pool memory the all-gathers vacated. HSDP as
+    stock: the running sum on the reduce-scatter stream, the replicate all-reduce (NCCL, the
+    tide group's CUDA delegate) on the all-reduce stream."""
     reduce_scatter_stream.wait_stream(torch.cuda.current_stream(device))
     reuse, regions, block = None, [], None
     if pool is not None:
@@ -634,19 +652,41 @@ def _reduce_scatter_cuda(group, fsdp_params, grads, unsharded_grads, layout, out
         _reduce_scatter_done(fsdp_params, backend, device)
         del grads
         unsharded_grads.clear()
-    # As stock: a user's all-reduce hook and what follows run on the all-reduce stream.
+        if hsdp.group is not None:  # the running sum stays on the reduce-scatter stream
+            partial = hsdp.partial_reduce_output
+            if not hsdp.all_reduce_grads:
+                if partial is not None:
+                    partial += reduce_output
+                else:
+                    partial = reduce_output
+                return Reduced(reduce_scatter_event, reduce_scatter_stream,
+                               reduce_scatter_stream.record_event(), partial_reduce_output=partial)
+            if partial is not None:
+                reduce_output += partial
+    all_reduce_input = all_reduce_event = None
     post_reduce_stream = reduce_scatter_stream
+    if hsdp.group is not None:
+        import torch.distributed as dist
+
+        post_reduce_stream = all_reduce_stream
+        all_reduce_stream.wait_stream(reduce_scatter_stream)
+        with torch.cuda.stream(all_reduce_stream):
+            dist.all_reduce(reduce_output, group=hsdp.group, op=hsdp.op)
+            # Held by FSDP2 until the all-reduce is done (no reuse of its memory before).
+            all_reduce_input, all_reduce_event = reduce_output, all_reduce_stream.record_event()
+        _debug(f"reduce-scatter: HSDP all-reduce over the {hsdp.group.size()}-rank replicate group")
+    # As stock: a user's all-reduce hook and what follows run on the all-reduce stream.
     if all_reduce_hook is not None:
         all_reduce_stream.wait_stream(reduce_scatter_stream)
         post_reduce_stream = all_reduce_stream
     with torch.cuda.stream(post_reduce_stream):
         accumulate(reduce_output)
         post_reduce_event = post_reduce_stream.record_event()
-    if all_reduce_hook is None:
-        return Reduced(reduce_scatter_event, post_reduce_stream, post_reduce_event)
-    # The hook read the output off the reduce-scatter stream: FSDP2 holds it until then.
+    if all_reduce_input is None and all_reduce_hook is not None:
+        # The hook read the output off the reduce-scatter stream: FSDP2 holds it until then.
+        all_reduce_input, all_reduce_event = reduce_output, post_reduce_event
     return Reduced(reduce_scatter_event, post_reduce_stream, post_reduce_event,
-                   reduce_output, post_reduce_event)
+                   all_reduce_input, all_reduce_event)
 
 
 def _vacated_storage(state):

@@ -114,13 +114,14 @@ std::string describe(const Fingerprint& f) {
 }  // namespace
 
 CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-                   std::chrono::milliseconds timeout, Exchange exchange)
+                   std::chrono::milliseconds timeout, Exchange exchange, std::optional<AcrossNodes> nodes)
     : store_(std::move(store)),
       ns_(std::move(ns)),
       rank_(rank),
       ws_(world_size),
       timeout_(timeout),
-      exchange_(std::move(exchange)) {
+      exchange_(std::move(exchange)),
+      nodes_(std::move(nodes)) {
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
 
@@ -157,7 +158,16 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
     options.blocking = false;  // stream-ordered; the watchdog enforces the timeout
     int previous = -1;
     if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
-    auto created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
+    // Across nodes the CUDA group is this rank's node: its ranks map each other's memory.
+    std::unique_ptr<tide::cuda::CudaGroup> created;
+    if (nodes_) {
+      const tide::plan::Topology& t = nodes_->topology;
+      created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_ + "/node" + std::to_string(t.node_of(rank_)),
+                                                        t.local_rank(rank_), t.local_size, device, options);
+      engine_ = std::make_unique<NcclEngine>(nodes_->nccl, device);
+    } else {
+      created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
+    }
     if (previous >= 0 && previous != device) (void)cudaSetDevice(previous);  // the caller's, as it was
     std::lock_guard<std::mutex> lock(mutex_);  // the watchdog reads group_
     group_ = std::move(created);
@@ -232,6 +242,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::finish(const char* collective, c10d::Op
 
 c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGather& args,
                                                           std::vector<at::Tensor> outputs, int device) {
+  TORCH_CHECK(!nodes_, "tide param_all_gather: rank ", rank_, ": the group spans nodes (param_all_gather_across_nodes)");
   auto& g = group(device, "param_all_gather");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
@@ -247,6 +258,38 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGa
   return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
 }
 
+c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tide::ParamAllGather& args,
+                                                                       tide::SymmetricBuffer& home,
+                                                                       const std::vector<size_t>& storage_offsets,
+                                                                       std::vector<at::Tensor> outputs, int device) {
+  TORCH_CHECK(nodes_, "tide param_all_gather: rank ", rank_, ": this group's CUDA path is for one node");
+  auto& g = group(device, "param_all_gather");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
+                     tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, &home, storage_offsets, 0};
+  guarded("param_all_gather", [&] {
+    engine_->bind(g.copy_stream());  // NCCL ordered with the node's copies
+    tide::cuda::param_all_gather_across_nodes(g, args, across, *engine_, stream);
+  });
+  if (tide::env::debug())
+    tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
+                                        args.layout->params.size(), " params across ", nodes_->topology.num_nodes,
+                                        " nodes: inter-node over ", engine_description(),
+                                        " (paced recursive doubling), node-local over copy engines"));
+  return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
+}
+
+std::string CudaPath::engine_description() const {
+  if (!nodes_) return "";
+  return NcclEngine::one_sided_available()
+             ? "nccl send-recv (the loaded NCCL has one-sided puts; TIDE does not use them yet)"
+             : "nccl send-recv";
+}
+
+int64_t CudaPath::inter_node_bytes_sent() const { return engine_ ? engine_->bytes_sent() : 0; }
+
 c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamReduceScatter& args,
                                                               std::vector<at::Tensor> outputs, int device,
                                                               tide::StagingReport* report) {
@@ -257,11 +300,22 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamR
   check_across_ranks("param_reduce_scatter", *args.layout, args.grad_dtype, args.out_dtype,
                      static_cast<int>(args.op.op), hash_values(regions));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  guarded("param_reduce_scatter", [&] { *report = tide::cuda::param_reduce_scatter(g, args, stream); });
-  if (tide::env::debug()) tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ",
-                                      args.layout->params.size(), " params, copy engines + ", g.rs_ctas(),
-                                      " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
-                                      " B staging (", report->reused_slots, " in vacated all-gather storage)"));
+  guarded("param_reduce_scatter", [&] {
+    if (nodes_) {
+      engine_->bind(g.compute_stream());  // NCCL ordered with the node's sums
+      *report = tide::cuda::param_reduce_scatter_across_nodes(g, args, nodes_->topology, rank_, *engine_, stream);
+    } else {
+      *report = tide::cuda::param_reduce_scatter(g, args, stream);
+    }
+  });
+  if (tide::env::debug())
+    tide::env::log(tide::detail::concat(
+        "cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ", args.layout->params.size(),
+        " params, copy engines + ", g.rs_ctas(), " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
+        " B staging (", report->reused_slots, " in vacated all-gather storage)",
+        nodes_ ? tide::detail::concat("; across ", nodes_->topology.num_nodes, " nodes: node-local into fp32 partials (",
+                                      report->partial_bytes, " B), inter-node over ", engine_description())
+               : std::string()));
   return finish("tide:param_reduce_scatter", c10d::OpType::REDUCE_SCATTER, std::move(outputs), device);
 }
 

@@ -31,6 +31,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,7 +39,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "NcclEngine.hpp"
 #include "tide/comm.hpp"
+#include "tide/plan.hpp"
 #include "tide/store.hpp"
 
 namespace tide::cuda {
@@ -52,8 +55,15 @@ class CudaPath {
   // All ranks' fingerprints, in rank order, given this rank's (a host all-gather).
   using Exchange = std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
 
+  // A group over several nodes also passes its topology and its NCCL delegate: the CUDA
+  // group is then this rank's node (its ranks map each other's memory) and the inter-node
+  // rounds go over NCCL (NcclEngine).
+  struct AcrossNodes {
+    tide::plan::Topology topology;
+    c10::intrusive_ptr<c10d::Backend> nccl;
+  };
   CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-           std::chrono::milliseconds timeout, Exchange exchange);
+           std::chrono::milliseconds timeout, Exchange exchange, std::optional<AcrossNodes> nodes = std::nullopt);
   ~CudaPath();
   CudaPath(const CudaPath&) = delete;
   CudaPath& operator=(const CudaPath&) = delete;
@@ -69,6 +79,15 @@ class CudaPath {
   // caller's current stream of `device`.
   c10::intrusive_ptr<c10d::Work> param_all_gather(const tide::ParamAllGather& args,
                                                   std::vector<at::Tensor> outputs, int device);
+  // TIDE-AG across nodes: the storages lie in `home` (node-symmetric CUDA memory, the
+  // Slot-Reuse pool) at `storage_offsets`.
+  c10::intrusive_ptr<c10d::Work> param_all_gather_across_nodes(const tide::ParamAllGather& args,
+                                                               tide::SymmetricBuffer& home,
+                                                               const std::vector<size_t>& storage_offsets,
+                                                               std::vector<at::Tensor> outputs, int device);
+  // What moves bytes between nodes on CUDA (for TIDE_DEBUG and tide.fsdp's log lines).
+  std::string engine_description() const;
+  int64_t inter_node_bytes_sent() const;
   c10::intrusive_ptr<c10d::Work> param_reduce_scatter(const tide::ParamReduceScatter& args,
                                                       std::vector<at::Tensor> outputs, int device,
                                                       tide::StagingReport* report);
@@ -100,6 +119,8 @@ class CudaPath {
   int rank_, ws_;
   std::chrono::milliseconds timeout_;
   Exchange exchange_;
+  std::optional<AcrossNodes> nodes_;
+  std::unique_ptr<NcclEngine> engine_;  // across nodes, on the group's device
   std::unique_ptr<tide::cuda::CudaGroup> group_;
   std::shared_ptr<Health> health_ = std::make_shared<Health>();
   uint64_t seq_ = 0;

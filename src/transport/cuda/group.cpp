@@ -27,6 +27,7 @@ const char* flag_name(CudaGroup::FlagId f) {
     case CudaGroup::kAgDone: return "ag_done";
     case CudaGroup::kRsReady: return "rs_ready";
     case CudaGroup::kRsDone: return "rs_done";
+    case CudaGroup::kNodeAg: return "node_ag";
     default: return "?";
   }
 }

@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "copies.hpp"
+#include "rs_common.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/group.hpp"
 #include "tide/cuda/kernels.hpp"
@@ -29,24 +30,9 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   const size_t np = layout.params.size();
   TIDE_CHECK(a.grads.size() == np && a.out_offsets.size() == np, "tide: cuda: param_reduce_scatter on rank ", me, ": ",
              np, " params but ", a.grads.size(), " grads and ", a.out_offsets.size(), " output offsets");
-  TIDE_CHECK(a.out_dtype == DType::f32 &&
-                 (a.grad_dtype == DType::bf16 || a.grad_dtype == DType::f16 || a.grad_dtype == DType::f32),
-             "tide: cuda: param_reduce_scatter on rank ", me, ": unsupported ", dtype_name(a.grad_dtype), " -> ",
-             dtype_name(a.out_dtype), " (the CUDA path reduces bf16/f16/f32 gradients into fp32 shards)");
-  float scale = 1.f;
-  switch (a.op.op) {
-    case ReduceOp::sum: break;
-    case ReduceOp::avg: scale = 1.f / static_cast<float>(ws); break;
-    case ReduceOp::premul_sum: scale = static_cast<float>(a.op.premul_factor); break;
-    default:
-      throw Error(::tide::detail::concat("tide: cuda: param_reduce_scatter on rank ", me, ": reduce op ",
-                                 reduce_op_name(a.op.op), " unsupported (sum, avg, premul_sum)"));
-  }
+  detail::check_rs_dtypes(a, me);
+  const float scale = detail::rs_scale(a, ws, me);
   TIDE_CHECK(a.out || np == 0, "tide: cuda: param_reduce_scatter on rank ", me, ": no output");
-  auto* reuse = a.reuse ? dynamic_cast<CudaSymmetricBuffer*>(a.reuse) : nullptr;
-  TIDE_CHECK(!a.reuse || reuse, "tide: cuda: param_reduce_scatter on rank ", me,
-             ": Slot-Reuse memory must be CUDA symmetric memory");
-
   const size_t ges = dtype_size(a.grad_dtype);
   const size_t piece = g.piece_bytes();
   const int n_slots = g.num_slots();
@@ -60,37 +46,13 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   report.num_slots = pipe.num_slots;
 
   const uint64_t first = g.current(CudaGroup::kRsReady) + 1;  // step id of window 0
-  std::vector<int64_t> reuse_off(n_slots, -1);
-  if (reuse && !a.reuse_regions.empty() && report.num_slots > 0) {
-    std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
-    for (auto& r : regions) r.base_id = 0;
-    const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : 256;
-    plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions), static_cast<int64_t>(report.slot_bytes),
-                                                       report.num_slots, align);
-    for (int i = 0; i < report.num_slots; ++i) {
-      const int idx = static_cast<int>((first + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots));
-      if (homes.slots[i].reused) {
-        reuse_off[idx] = homes.slots[i].offset;
-        ++report.reused_slots;
-      }
-    }
-  }
-  report.fallback_bytes = static_cast<size_t>(report.num_slots - report.reused_slots) * report.slot_bytes;
-  auto slot_of = [&](int rank, int idx) -> std::byte* {
-    return reuse_off[idx] >= 0 ? reuse->peer(rank) + reuse_off[idx] : g.slot(rank, idx);
-  };
+  const detail::RsSlots slots(g, a, first, report);
+  auto slot_of = [&](int rank, int idx) { return slots.at(rank, idx); };
 
   cudaStream_t cs = g.copy_stream(), ks = g.compute_stream();
   g.begin("param_reduce_scatter", stream, {cs, ks});
   auto* out = static_cast<float*>(a.out);
-  // Padding of my shards receives zeros (FSDP2 reduces zero-padded inputs).
-  for (size_t p = 0; p < np; ++p) {
-    const plan::ParamLayout& pl = layout.params[p];
-    const int64_t n = pl.shards[me].numel;
-    if (pl.padded_shard_numel > n)
-      TIDE_CUDA_CHECK(cudaMemsetAsync(out + a.out_offsets[p] + n, 0,
-                                      static_cast<size_t>(pl.padded_shard_numel - n) * sizeof(float), ks));
-  }
+  detail::zero_shard_padding(layout, out, a.out_offsets, me, ks);  // FSDP2 reduces zero-padded inputs
 
   struct Mine {
     size_t p;
@@ -98,7 +60,7 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
     const void* in_place;
   };
   std::vector<Mine> mine;
-  AccumulateSources srcs{};
+  std::vector<const void*> srcs(static_cast<size_t>(ws));
   uint64_t t = 0;
   for (const plan::RsChunk& chunk : pipe.chunks) {
     t = g.next(CudaGroup::kRsReady);
@@ -126,16 +88,8 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
         mine.push_back({p, lo, hi, pos, direct ? grad + static_cast<size_t>(pats[0].offset) * ges : nullptr});
         if (direct) continue;
       }
-      std::byte* dst = my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges;
-      for (const plan::Strided& pat : pats) {
-        const size_t run = static_cast<size_t>(pat.run) * ges;
-        const auto* src = grad + static_cast<size_t>(pat.offset) * ges;
-        if (pat.count == 1 || pat.run == pat.stride)
-          batch.add(dst, src, run * static_cast<size_t>(pat.count));
-        else
-          batch.add(dst, run, src, static_cast<size_t>(pat.stride) * ges, run, static_cast<size_t>(pat.count));
-        dst += static_cast<size_t>(pat.numel()) * ges;
-      }
+      detail::stage_slices(batch, my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pos) * ges, grad, pats,
+                           ges);
     }
     batch.flush();
     g.post(cs, CudaGroup::kRsReady, t);
@@ -149,17 +103,8 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
       const size_t at = static_cast<size_t>(me) * piece + static_cast<size_t>(m.pos) * ges;
       float* dst = out + a.out_offsets[m.p] + m.lo;
       const size_t count = static_cast<size_t>(m.hi - m.lo);
-      const bool one_launch = ws <= kMaxAccumulateSources;
-      for (int r0 = 0; r0 < ws; r0 += kMaxAccumulateSources) {
-        srcs.count = std::min(kMaxAccumulateSources, ws - r0);
-        for (int k = 0; k < srcs.count; ++k) {
-          const int r = r0 + k;
-          srcs.ptr[k] = r == me && m.in_place ? m.in_place : slot_of(r, idx) + at;
-        }
-        TIDE_CUDA_CHECK(launch_accumulate_f32(dst, srcs, a.grad_dtype, count, one_launch ? scale : 1.f,
-                                              /*accumulate=*/r0 > 0, g.rs_ctas(), ks));
-      }
-      if (!one_launch && scale != 1.f) TIDE_CUDA_CHECK(launch_scale_f32(dst, count, scale, ks));
+      for (int r = 0; r < ws; ++r) srcs[static_cast<size_t>(r)] = r == me && m.in_place ? m.in_place : slot_of(r, idx) + at;
+      detail::accumulate_in_order(dst, srcs, a.grad_dtype, count, scale, g.rs_ctas(), ks);
     }
     g.post(ks, CudaGroup::kRsDone, t);
     TIDE_CUDA_CHECK(cudaEventRecord(g.slot_free_event(idx), ks));

@@ -1,0 +1,69 @@
+#include "NcclEngine.hpp"
+
+#include <dlfcn.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "tide/error.hpp"
+
+namespace tide::torch_backend {
+namespace {
+
+at::Tensor device_bytes(const void* data, size_t n, int device) {
+  return at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(n)},
+                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+}  // namespace
+
+void NcclEngine::start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
+                       std::shared_ptr<const void> keep_alive) {
+  TIDE_CHECK(stream_, "tide inter-node exchange over nccl: no stream bound");
+  Exchange& exchange = in_flight_.emplace_back();
+  exchange.keep_alive = std::move(keep_alive);
+  if (sends.empty() && recvs.empty()) return;
+  const auto dev = static_cast<c10::DeviceIndex>(device_);
+  c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, dev));
+  nccl_->startCoalescing();
+  try {
+    for (const tide::EngineSend& s : sends) {
+      std::vector<at::Tensor> t{device_bytes(s.data, s.bytes, device_)};
+      nccl_->send(t, s.peer, 0);
+      bytes_sent_ += static_cast<int64_t>(s.bytes);
+    }
+    for (const tide::EngineRecv& r : recvs) {
+      std::vector<at::Tensor> t{device_bytes(r.data, r.bytes, device_)};
+      nccl_->recv(t, r.peer, 0);
+    }
+  } catch (...) {
+    (void)nccl_->endCoalescing();
+    in_flight_.pop_back();
+    throw;
+  }
+  exchange.work = nccl_->endCoalescing();
+}
+
+void NcclEngine::finish() {
+  TIDE_CHECK(!in_flight_.empty(), "tide inter-node exchange over nccl: finish() without start()");
+  Exchange exchange = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  if (!exchange.work) return;
+  try {
+    c10::cuda::CUDAStreamGuard guard(
+        c10::cuda::getStreamFromExternal(stream_, static_cast<c10::DeviceIndex>(device_)));
+    exchange.work->wait();  // the bound stream waits for NCCL's (blocking only with TORCH_NCCL_BLOCKING_WAIT)
+  } catch (const std::exception& e) {
+    failed_.push_back(std::move(exchange));
+    throw tide::TimeoutError(detail::concat("tide inter-node exchange over nccl failed: ", e.what()));
+  }
+}
+
+bool NcclEngine::one_sided_available() {
+  for (const char* symbol : {"ncclPutSignal", "ncclWaitSignal", "ncclCommWindowRegister"})
+    if (!dlsym(RTLD_DEFAULT, symbol)) return false;
+  return true;
+}
+
+}  // namespace tide::torch_backend
