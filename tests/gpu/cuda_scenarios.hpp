@@ -155,6 +155,44 @@ inline std::string scenario_symmetric(const RankCtx& c) {
   return "symmetric ok";
 }
 
+// After an all-gather: every rank's shard of every parameter (fresh data from make_data,
+// cast f32 -> bf16 where the dtypes differ) at its placement in this rank's storages, and
+// storage bytes outside every placement still 0xFF.
+inline void expect_all_gathered(const RankCtx& c, const plan::GroupLayout& layout, DType shard_t, DType storage_t,
+                                const std::vector<void*>& storages, const std::string& what) {
+  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t ses = dtype_size(shard_t), des = dtype_size(storage_t);
+  for (size_t p = 0; p < layout.params.size(); ++p) {
+    const plan::ParamLayout& pl = layout.params[p];
+    std::vector<uint8_t> got(static_cast<size_t>(pl.storage_bytes()));
+    TIDE_CUDA_CHECK(cudaMemcpy(got.data(), storages[p], got.size(), cudaMemcpyDeviceToHost));
+    std::vector<bool> covered(static_cast<size_t>(pl.storage_numel), false);
+    for (int r = 0; r < c.ws; ++r) {
+      const plan::Shard& sh = pl.shards[r];
+      std::vector<uint8_t> d = make_data(c.seed, r, static_cast<int>(p), sh.numel, shard_t);
+      for (int64_t i = 0; i < sh.numel; ++i) {
+        const int64_t j = at(sh.placement, i);
+        covered[j] = true;
+        std::vector<uint8_t> want(des);
+        if (shard_t == storage_t) {
+          std::memcpy(want.data(), &d[i * ses], des);
+        } else {
+          TIDE_EXPECT(shard_t == DType::f32 && storage_t == DType::bf16, "test covers f32 -> bf16 casts only");
+          const uint16_t h = to_bf16(value(d, i, DType::f32));
+          std::memcpy(want.data(), &h, 2);
+        }
+        TIDE_EXPECT(std::memcmp(&got[j * des], want.data(), des) == 0, what, "param ", p, " storage element ", j,
+                    " (rank ", r, "'s shard element ", i, ") wrong on rank ", c.rank);
+      }
+    }
+    for (int64_t j = 0; j < pl.storage_numel; ++j)
+      if (!covered[j])
+        for (size_t k = 0; k < des; ++k)
+          TIDE_EXPECT(got[j * des + k] == 0xFF, what, "param ", p, " storage element ", j,
+                      " outside every placement was written");
+  }
+}
+
 inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType storage_t, int sync) {
   cuda::CudaGroupOptions opt;
   opt.sync = sync;
@@ -192,35 +230,7 @@ inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType st
   for (int iter = 0; iter < 2; ++iter) cuda::param_all_gather(*gr.g, a);
   const uint64_t used = cuda::kernel_launch_count() - launches;
   if (shard_t == storage_t) TIDE_EXPECT(used == 0, "equal-dtype all-gather launched ", used, " kernels");
-  TIDE_CUDA_CHECK(cudaDeviceSynchronize());
-  for (size_t p = 0; p < np; ++p) {
-    const plan::ParamLayout& pl = layout.params[p];
-    std::vector<uint8_t> got(static_cast<size_t>(pl.storage_bytes()));
-    TIDE_CUDA_CHECK(cudaMemcpy(got.data(), storages[p], got.size(), cudaMemcpyDeviceToHost));
-    std::vector<bool> covered(static_cast<size_t>(pl.storage_numel), false);
-    for (int r = 0; r < c.ws; ++r) {
-      const plan::Shard& sh = pl.shards[r];
-      std::vector<uint8_t> d = make_data(c.seed, r, static_cast<int>(p), sh.numel, shard_t);
-      for (int64_t i = 0; i < sh.numel; ++i) {
-        const int64_t j = at(sh.placement, i);
-        covered[j] = true;
-        std::vector<uint8_t> want(des);
-        if (shard_t == storage_t) {
-          std::memcpy(want.data(), &d[i * ses], des);
-        } else {
-          TIDE_EXPECT(shard_t == DType::f32 && storage_t == DType::bf16, "test covers f32 -> bf16 casts only");
-          const uint16_t h = to_bf16(value(d, i, DType::f32));
-          std::memcpy(want.data(), &h, 2);
-        }
-        TIDE_EXPECT(std::memcmp(&got[j * des], want.data(), des) == 0, "param ", p, " storage element ", j,
-                    " (rank ", r, "'s shard element ", i, ") wrong on rank ", c.rank);
-      }
-    }
-    for (int64_t j = 0; j < pl.storage_numel; ++j)
-      if (!covered[j])
-        for (size_t k = 0; k < des; ++k)
-          TIDE_EXPECT(got[j * des + k] == 0xFF, "param ", p, " storage element ", j, " outside every placement was written");
-  }
+  expect_all_gathered(c, layout, shard_t, storage_t, storages, "");
   gr.g->barrier();
   return "all-gather ok, kernels launched: " + std::to_string(used);
 }
@@ -314,28 +324,7 @@ inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DT
     TIDE_CUDA_CHECK(cudaDeviceSynchronize());
     g.barrier();  // every rank filled before any peer reads
     cuda::param_all_gather_across_nodes(g, a, nodes, engine, nullptr);
-    TIDE_CUDA_CHECK(cudaDeviceSynchronize());
-    for (size_t p = 0; p < np; ++p) {
-      const plan::ParamLayout& pl = layout.params[p];
-      std::vector<uint8_t> got(static_cast<size_t>(pl.storage_bytes()));
-      TIDE_CUDA_CHECK(cudaMemcpy(got.data(), storages[p], got.size(), cudaMemcpyDeviceToHost));
-      for (int r = 0; r < c.ws; ++r) {
-        const plan::Shard& sh = pl.shards[r];
-        std::vector<uint8_t> d = make_data(c.seed, r, static_cast<int>(p), sh.numel, shard_t);
-        for (int64_t i = 0; i < sh.numel; ++i) {
-          std::vector<uint8_t> want(des);
-          if (shard_t == storage_t) {
-            std::memcpy(want.data(), &d[i * ses], des);
-          } else {
-            const uint16_t h = to_bf16(value(d, i, DType::f32));
-            std::memcpy(want.data(), &h, 2);
-          }
-          const int64_t j = at(sh.placement, i);
-          TIDE_EXPECT(std::memcmp(&got[j * des], want.data(), des) == 0, "iteration ", iter, ": param ", p,
-                      " storage element ", j, " (rank ", r, "'s shard element ", i, ") wrong on rank ", c.rank);
-        }
-      }
-    }
+    expect_all_gathered(c, layout, shard_t, storage_t, storages, detail::concat("iteration ", iter, ": "));
     g.barrier();  // nobody reads this rank's storages any more
   }
   TIDE_EXPECT(topo.num_nodes == 1 || engine.bytes() > 0, "nothing went through the engine");
