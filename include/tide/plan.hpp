@@ -224,6 +224,9 @@ struct RsPipeline {
 
   // Per rank; depends on the per-rank output, not on the world size.
   int64_t staging_bytes() const { return slot_bytes * num_slots; }
+  // Elements of the widest window (the first; 0 without chunks): the most one destination's
+  // part of a window holds, min(chunk_elems, the whole padded shard space).
+  int64_t widest_window() const { return chunks.empty() ? 0 : chunks.front().end - chunks.front().begin; }
 };
 RsPipeline rs_pipeline(const GroupLayout& layout, const RsPipelineOptions& options);
 

@@ -4,6 +4,7 @@
 // from there; each inter-node hop moves a block once (contiguous blocks go straight from
 // the sender's storage into the receiver's).
 #include <algorithm>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -62,60 +63,85 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
     }
   };
 
-  peers.publish(reached(-1));  // own shard in place
-  local_copies(-1);
-  std::vector<EngineSend> sends;
-  std::vector<EngineRecv> recvs;
-  // Strided blocks are sent from / received into packed buffers (the node's scratch: device
-  // memory on CUDA), kept alive by the engine past a failure.
-  std::shared_ptr<std::vector<std::shared_ptr<std::byte>>> packed;
+  // A round's exchange as posted: strided blocks are sent from / received into packed
+  // buffers (the node's scratch: device memory on CUDA), kept alive by the engine past a
+  // failure, and unpacked once the round is finished.
   struct Unpack {
     std::byte* storage;
     plan::Strided pat;
     const std::byte* from;
   };
-  std::vector<Unpack> unpacks;
-  for (size_t k = 0; k < s.inter_node.steps.size(); ++k) {
-    for (const plan::Round& round : s.inter_node.steps[k].rounds) {
-      sends.clear();
-      recvs.clear();
-      packed = std::make_shared<std::vector<std::shared_ptr<std::byte>>>();
-      unpacks.clear();
-      for (const plan::Transfer& tr : round.transfers) {
-        if (tr.src_rank != me && tr.dst_rank != me) continue;
-        const bool sending = tr.src_rank == me;
-        const int peer = sending ? tr.dst_rank : tr.src_rank;
-        TIDE_CHECK(topo.node_of(peer) != topo.node_of(me), "tide param_all_gather: rank ", me,
-                   ": an inter-node transfer to rank ", peer, " on its own node");
-        for (const plan::Strided& pat : tr.storage) {
-          const size_t bytes = static_cast<size_t>(pat.numel()) * es;
-          std::byte* base = mine(tr.param);
-          if (contiguous(pat)) {
-            std::byte* at = base + static_cast<size_t>(pat.offset) * es;
-            if (sending)
-              sends.push_back({peer, at, bytes});
-            else
-              recvs.push_back({peer, at, bytes});
-            continue;
-          }
-          std::byte* buf = packed->emplace_back(peers.scratch(bytes)).get();
-          if (sending) {
-            copy_block(peers, buf, At::packed, base, At::placed, pat, es);
-            sends.push_back({peer, buf, bytes});
-          } else {
-            recvs.push_back({peer, buf, bytes});
-            unpacks.push_back({base, pat, buf});
-          }
+  struct Posted {
+    std::shared_ptr<std::vector<std::shared_ptr<std::byte>>> packed;  // unpacked from after finish()
+    std::vector<Unpack> unpacks;
+  };
+  std::vector<EngineSend> sends;
+  std::vector<EngineRecv> recvs;
+  auto start_round = [&](const plan::Round& round) {
+    Posted posted;
+    sends.clear();
+    recvs.clear();
+    posted.packed = std::make_shared<std::vector<std::shared_ptr<std::byte>>>();
+    auto& packed = posted.packed;
+    for (const plan::Transfer& tr : round.transfers) {
+      if (tr.src_rank != me && tr.dst_rank != me) continue;
+      const bool sending = tr.src_rank == me;
+      const int peer = sending ? tr.dst_rank : tr.src_rank;
+      TIDE_CHECK(topo.node_of(peer) != topo.node_of(me), "tide param_all_gather: rank ", me,
+                 ": an inter-node transfer to rank ", peer, " on its own node");
+      // Rounds run beside the node-local copies of the step before: what goes out must have
+      // come along this rank's rail (own shard or an earlier round), never from a node peer.
+      TIDE_CHECK(topo.local_rank(tr.owner_rank) == topo.local_rank(me), "tide param_all_gather: rank ", me,
+                 ": the schedule forwards rank ", tr.owner_rank, "'s block, which is not on its rail");
+      for (const plan::Strided& pat : tr.storage) {
+        const size_t bytes = static_cast<size_t>(pat.numel()) * es;
+        std::byte* base = mine(tr.param);
+        if (contiguous(pat)) {
+          std::byte* at = base + static_cast<size_t>(pat.offset) * es;
+          if (sending)
+            sends.push_back({peer, at, bytes});
+          else
+            recvs.push_back({peer, at, bytes});
+          continue;
+        }
+        std::byte* buf = packed->emplace_back(peers.scratch(bytes)).get();
+        if (sending) {
+          copy_block(peers, buf, At::packed, base, At::placed, pat, es);
+          sends.push_back({peer, buf, bytes});
+        } else {
+          recvs.push_back({peer, buf, bytes});
+          posted.unpacks.push_back({base, pat, buf});
         }
       }
-      engine.exchange(sends, recvs, packed);
-      for (const Unpack& u : unpacks) copy_block(peers, u.storage, At::placed, u.from, At::packed, u.pat, es);
     }
-    peers.publish(reached(static_cast<int>(k)));
-    local_copies(static_cast<int>(k));
+    engine.start(sends, recvs, packed);
+    return posted;
+  };
+  auto finish_round = [&](const Posted& posted) {
+    engine.finish();
+    for (const Unpack& u : posted.unpacks) copy_block(peers, u.storage, At::placed, u.from, At::packed, u.pat, es);
+  };
+
+  // Step k's first round goes out before the node-local copies of what the node's peers hold
+  // after step k - 1, so those copies run while it is on the wire; then two rounds in flight
+  // (at most 2 x pace bytes per rank), each unpacked as it finishes.
+  peers.publish(reached(-1));  // own shard in place
+  const int steps = static_cast<int>(s.inter_node.steps.size());
+  for (int k = 0; k < steps; ++k) {
+    const std::vector<plan::Round>& rounds = s.inter_node.steps[static_cast<size_t>(k)].rounds;
+    std::deque<Posted> in_flight;
+    if (!rounds.empty()) in_flight.push_back(start_round(rounds[0]));
+    local_copies(k - 1);
+    for (size_t r = 0; r < rounds.size(); ++r) {
+      if (r + 1 < rounds.size()) in_flight.push_back(start_round(rounds[r + 1]));
+      finish_round(in_flight.front());
+      in_flight.pop_front();
+    }
+    peers.publish(reached(k));
   }
+  local_copies(steps - 1);
   peers.barrier();
-  return reached(static_cast<int>(s.inter_node.steps.size()) - 1);
+  return reached(steps - 1);
 }
 
 void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology& topo, int rank,

@@ -12,8 +12,8 @@
 // Sum order: node partials over local ranks 0..L-1, then nodes 0..N-1, fixed and the same
 // run to run; with one rank per node it is rank order, as on one host. Staging: the node's
 // slots (slot_bytes, one piece per group rank) plus, for each of two windows in flight,
-// 2N - 1 partials of one piece's elements in fp32: about 4 x slot_bytes x 4 / (L x grad
-// element size), independent of the number of nodes.
+// 2N fp32 partials of at most one piece's elements (sent and received): at most about
+// 4 x slot_bytes x 4 / (L x grad element size), independent of the number of nodes.
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -65,18 +65,20 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   // Two windows in flight: window k's partials travel (engine) while window k + 1's node
   // phase runs. Per window, partials[j]: this node's partial for my rail's rank on node j;
   // received[j]: node j's partial of my own shard (j != my_node).
-  const size_t piece_elems = piece / ges, piece_bytes = piece_elems * pes;
+  // A partial holds one destination's part of a window: at most a piece, less for small groups
+  // (sized to the widest window, not zero-filled: every element read was summed into first).
+  const size_t part_bytes = static_cast<size_t>(pipe.widest_window()) * pes;
   struct Window {
-    std::shared_ptr<std::vector<std::byte>> partials, received;  // kept alive by the engine while in flight
+    std::shared_ptr<std::byte[]> partials, received;  // kept alive by the engine while in flight
     std::vector<Mine> own;  // my own shard's pieces: phase 2 adds the nodes' partials there
   };
   std::array<Window, 2> windows;
-  for (Window& w : windows) {
-    w.partials = std::make_shared<std::vector<std::byte>>(static_cast<size_t>(N) * piece_bytes);
-    w.received = std::make_shared<std::vector<std::byte>>(static_cast<size_t>(N) * piece_bytes);
-  }
   const size_t windows_in_flight = std::min<size_t>(2, pipe.chunks.size());
-  report.partial_bytes = windows_in_flight * (2 * static_cast<size_t>(N) - 1) * piece_bytes;
+  for (size_t i = 0; i < windows_in_flight; ++i) {
+    windows[i].partials.reset(new std::byte[static_cast<size_t>(N) * part_bytes]);
+    windows[i].received.reset(new std::byte[static_cast<size_t>(N) * part_bytes]);
+  }
+  report.partial_bytes = windows_in_flight * 2 * static_cast<size_t>(N) * part_bytes;
 
   std::vector<StridedCopy> ops;
   std::vector<const void*> srcs(static_cast<size_t>(std::max(L, N)));
@@ -89,8 +91,8 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
     engine.finish();
     for (const Mine& m : w.own) {
       for (int j = 0; j < N; ++j) {
-        const std::vector<std::byte>& from = j == my_node ? *w.partials : *w.received;
-        srcs[static_cast<size_t>(j)] = from.data() + static_cast<size_t>(j) * piece_bytes + static_cast<size_t>(m.pos) * pes;
+        const std::byte* from = j == my_node ? w.partials.get() : w.received.get();
+        srcs[static_cast<size_t>(j)] = from + static_cast<size_t>(j) * part_bytes + static_cast<size_t>(m.pos) * pes;
       }
       t.reduce(bytes_of(a.out) + static_cast<size_t>(a.out_offsets[m.p] + m.lo) * oes, a.out_dtype,
                std::span(srcs.data(), static_cast<size_t>(N)), part_dtype, static_cast<size_t>(m.hi - m.lo), rail_op);
@@ -127,7 +129,7 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
     for (const Mine& m : mine) {
       const size_t at = static_cast<size_t>(m.dst) * piece + static_cast<size_t>(m.pos) * ges;
       for (int r = 0; r < L; ++r) srcs[static_cast<size_t>(r)] = r == lme && m.in_place ? m.in_place : slot_of(r, idx) + at;
-      std::byte* into = w.partials->data() + static_cast<size_t>(topo.node_of(m.dst)) * piece_bytes +
+      std::byte* into = w.partials.get() + static_cast<size_t>(topo.node_of(m.dst)) * part_bytes +
                         static_cast<size_t>(m.pos) * pes;
       t.reduce(into, part_dtype, std::span(srcs.data(), static_cast<size_t>(L)), a.grad_dtype,
                static_cast<size_t>(m.hi - m.lo), node_op);
@@ -141,15 +143,15 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
       if (j == my_node) continue;
       const int peer = topo.rank_of(j, lme);
       if (const int64_t n = extent[static_cast<size_t>(j)]; n > 0)
-        sends.push_back({peer, w.partials->data() + static_cast<size_t>(j) * piece_bytes, static_cast<size_t>(n) * pes});
+        sends.push_back({peer, w.partials.get() + static_cast<size_t>(j) * part_bytes, static_cast<size_t>(n) * pes});
       if (my_extent > 0)
-        recvs.push_back({peer, w.received->data() + static_cast<size_t>(j) * piece_bytes,
+        recvs.push_back({peer, w.received.get() + static_cast<size_t>(j) * part_bytes,
                          static_cast<size_t>(my_extent) * pes});
     }
     w.own.clear();
     for (const Mine& m : mine)
       if (m.dst == me) w.own.push_back(m);
-    engine.start(sends, recvs, std::make_shared<std::array<std::shared_ptr<std::vector<std::byte>>, 2>>(
+    engine.start(sends, recvs, std::make_shared<std::array<std::shared_ptr<std::byte[]>, 2>>(
                                    std::array{w.partials, w.received}));
     if (k > 0) add_partials(windows[(k - 1) % 2]);
   }

@@ -59,8 +59,9 @@ StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceS
   report.slot_bytes = g.slot_bytes();
   report.num_slots = pipe.num_slots;
   const detail::RsSlots slots(g, a, g.current(CudaGroup::kRsReady) + 1, report);
-  const size_t part_bytes = piece / ges * sizeof(float);  // one fp32 partial
-  report.partial_bytes = pipe.chunks.empty() ? 0 : 2 * 2 * static_cast<size_t>(N) * part_bytes;
+  // One destination's part of a window in fp32: at most a piece, less for small groups.
+  const size_t part_bytes = static_cast<size_t>(pipe.widest_window()) * sizeof(float);
+  report.partial_bytes = std::min<size_t>(2, pipe.chunks.size()) * 2 * static_cast<size_t>(N) * part_bytes;
 
   cudaStream_t cs = g.copy_stream(), ks = g.compute_stream();
   g.begin("param_reduce_scatter", stream, {cs, ks});
