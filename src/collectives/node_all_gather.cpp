@@ -144,8 +144,38 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   return reached(steps - 1);
 }
 
+const plan::NodeAllGatherSchedule& NodeScheduleCache::get(const plan::GroupLayout& layout,
+                                                          const plan::Topology& topology, int64_t pace_elems,
+                                                          int rank) {
+  const Key key{plan::layout_hash(layout), topology.world_size, topology.local_size, rank, pace_elems};
+  auto it = schedules_.find(key);
+  if (it == schedules_.end()) {
+    plan::NodeAllGatherSchedule all = plan::node_allgather_schedule(layout, topology, pace_elems);
+    auto mine = std::make_shared<plan::NodeAllGatherSchedule>();
+    mine->topology = all.topology;
+    mine->inter_node.world_size = all.inter_node.world_size;
+    mine->inter_node.pace_bytes = all.inter_node.pace_bytes;
+    for (plan::Step& step : all.inter_node.steps) {  // every step stays: progress counts them
+      plan::Step& kept = mine->inter_node.steps.emplace_back();
+      kept.distance = step.distance;
+      for (plan::Round& round : step.rounds) {
+        plan::Round r;
+        for (plan::Transfer& tr : round.transfers)
+          if (tr.src_rank == rank || tr.dst_rank == rank) r.transfers.push_back(std::move(tr));
+        if (!r.transfers.empty()) kept.rounds.push_back(std::move(r));
+      }
+    }
+    for (plan::NodeLocalCopy& c : all.node_local)
+      if (c.block.dst_rank == rank) mine->node_local.push_back(std::move(c));
+    if (schedules_.size() >= 4096) schedules_.clear();  // far more groups than a model has
+    it = schedules_.emplace(key, std::move(mine)).first;
+  }
+  return *it->second;
+}
+
 void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology& topo, int rank,
-                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress) {
+                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress,
+                                   NodeScheduleCache& schedules) {
   const plan::GroupLayout& layout = *a.layout;
   const size_t es = dtype_size(a.storage_dtype);
   if (pace_bytes == 0) pace_bytes = env::get_bytes("TIDE_ALLGATHER_PACE_BYTES", size_t{4} << 20);
@@ -159,8 +189,9 @@ void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology
                      src + static_cast<size_t>(c * pl.run) * dtype_size(a.shard_dtype), a.shard_dtype,
                      static_cast<size_t>(pl.run));
   }
-  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
-      layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)));
+  const plan::NodeAllGatherSchedule& schedule =
+      schedules.get(layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)),
+                    rank);
   progress = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress}, engine, peers);
 }
 

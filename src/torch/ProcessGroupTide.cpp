@@ -1002,7 +1002,8 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     } else {
       auto peers = tide::make_node_peers(*node_comm_, *topology_, getRank(), *progress_, *home, storage_offsets,
                                          timeout_);
-      tide::param_all_gather_across_nodes(args, *topology_, getRank(), 0, *engine_, *peers, progress_value_);
+      tide::param_all_gather_across_nodes(args, *topology_, getRank(), 0, *engine_, *peers, progress_value_,
+                                          node_schedules_);
     }
     return {};
   };

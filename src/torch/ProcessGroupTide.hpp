@@ -198,6 +198,7 @@ class ProcessGroupTide : public c10d::Backend {
   std::unique_ptr<GlooEngine> engine_;
   std::shared_ptr<tide::SymmetricBuffer> progress_;
   uint64_t progress_value_ = 0;
+  tide::NodeScheduleCache node_schedules_;  // TIDE-AG's plans across nodes
   std::vector<std::weak_ptr<tide::SymmetricBuffer>> node_buffers_;  // allocate_symmetric's, on node_comm_
   c10::intrusive_ptr<c10d::Backend> cuda_;
   c10::intrusive_ptr<c10d::Backend> cpu_;

@@ -230,9 +230,11 @@ class StreamEngine : public Engine {
 
 // Runs the all-gather twice (progress values carry on) and checks every rank's storages;
 // `streams`: every rank's moves, progress and exchanges go through a Stream.
-void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pace_bytes, bool streams = false) {
-  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
-      g, topo, plan::planner_pace(g, pace_bytes, static_cast<int64_t>(es)));
+// `cached`: each rank runs its own part of the schedule, from a NodeScheduleCache.
+void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pace_bytes, bool streams = false,
+         bool cached = false) {
+  const int64_t pace = plan::planner_pace(g, pace_bytes, static_cast<int64_t>(es));
+  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(g, topo, pace);
   World w(g, topo, es);
   std::vector<std::string> errors(static_cast<size_t>(topo.world_size));
   std::vector<std::thread> threads;
@@ -248,6 +250,17 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
         NodePeers& peers = streams ? static_cast<NodePeers&>(queued_node) : node;
         std::vector<void*> storages;
         for (auto& s : w.storage[r]) storages.push_back(s.data());
+        NodeScheduleCache cache;
+        const plan::NodeAllGatherSchedule& mine = cached ? cache.get(g, topo, pace, r) : schedule;
+        if (cached) {
+          TIDE_CHECK(&cache.get(g, topo, pace, r) == &mine, "the cache planned again");
+          for (const plan::NodeLocalCopy& c : mine.node_local) TIDE_CHECK(c.block.dst_rank == r, "another rank's copy");
+          for (const plan::Step& step : mine.inter_node.steps)
+            for (const plan::Round& round : step.rounds)
+              for (const plan::Transfer& tr : round.transfers)
+                TIDE_CHECK(tr.src_rank == r || tr.dst_rank == r, "another rank's transfer");
+          TIDE_CHECK(mine.inter_node.steps.size() == schedule.inter_node.steps.size(), "steps dropped");
+        }
         uint64_t base = 0;
         for (int rep = 0; rep < 2; ++rep) {  // the second starts from fill bytes again
           if (rep) {
@@ -256,7 +269,7 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
             node.barrier();
           }
           w.place_own(r);
-          base = node_param_all_gather({&g, &schedule, r, storages, es, base}, engine, peers);
+          base = node_param_all_gather({&g, &mine, r, storages, es, base}, engine, peers);
           const std::string error = stream.synchronize();
           TIDE_CHECK(error.empty(), error);
         }
@@ -310,6 +323,18 @@ TEST(NodeAllGather, RunsStreamOrdered) {
   const plan::GroupLayout g = plan::plan_group({{{5, 12}, 4, 1}, {{7}, 2, 0}}, 6);
   run(g, {6, 3, 2}, 4, 1 << 20, true);  // unpaced: whole strided blocks, packed
   run(g, {6, 2, 3}, 4, 1 << 20, true);
+}
+
+TEST(NodeAllGather, EachRanksCachedPartOfTheScheduleSuffices) {
+  std::mt19937 rng(11);
+  for (auto [nodes, local] : {std::pair{2, 2}, {3, 2}, {5, 1}, {4, 3}, {7, 2}}) {
+    const int ws = nodes * local;
+    const plan::GroupLayout g = plan::plan_group(plan::testing::random_params(rng, ws), ws);
+    run(g, {ws, local, nodes}, 2, 40, false, true);
+    if (HasFatalFailure()) return;
+  }
+  const plan::GroupLayout g = plan::plan_group({{{5, 12}, 4, 1}, {{7}, 2, 0}}, 6);
+  run(g, {6, 3, 2}, 4, 1 << 20, true, true);  // stream-ordered too
 }
 
 TEST(NodeAllGather, ShardOnDimOneTravelsPackedAcrossNodes) {

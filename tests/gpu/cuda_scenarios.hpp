@@ -318,7 +318,8 @@ inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DT
   a.shard_dtype = shard_t;
   a.storages = storages;
   a.storage_dtype = storage_t;
-  const cuda::NodeAllGatherArgs nodes{&topo, c.rank, home.get(), storage_offs, 96};  // paced: several rounds
+  NodeScheduleCache schedules;
+  const cuda::NodeAllGatherArgs nodes{&topo, c.rank, home.get(), storage_offs, 96, &schedules};  // paced: several rounds
   for (int iter = 0; iter < 2; ++iter) {
     TIDE_CUDA_CHECK(cudaMemset(home->local(), 0xFF, storage_total));
     TIDE_CUDA_CHECK(cudaDeviceSynchronize());

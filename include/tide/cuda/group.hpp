@@ -199,6 +199,7 @@ struct NodeAllGatherArgs {
   SymmetricBuffer* storage_home = nullptr;
   std::span<const size_t> storage_offsets;
   size_t pace_bytes = 0;  // per rank and round, storage dtype; 0: TIDE_ALLGATHER_PACE_BYTES or 4 MiB
+  NodeScheduleCache* schedules = nullptr;  // the plans, kept for the next calls
 };
 void param_all_gather_across_nodes(CudaGroup& group, const ParamAllGather& args, const NodeAllGatherArgs& nodes,
                                    Engine& engine, cudaStream_t stream);

@@ -268,7 +268,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tid
   check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
                      tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, &home, storage_offsets, 0};
+  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, &home, storage_offsets, 0, &schedules_};
   guarded("param_all_gather", [&] {
     engine_->bind(g.copy_stream());  // NCCL ordered with the node's copies
     tide::cuda::param_all_gather_across_nodes(g, args, across, *engine_, stream);

@@ -121,6 +121,7 @@ class CudaPath {
   Exchange exchange_;
   std::optional<AcrossNodes> nodes_;
   std::unique_ptr<NcclEngine> engine_;  // across nodes, on the group's device
+  tide::NodeScheduleCache schedules_;
   std::unique_ptr<tide::cuda::CudaGroup> group_;
   std::shared_ptr<Health> health_ = std::make_shared<Health>();
   uint64_t seq_ = 0;

@@ -123,8 +123,9 @@ void param_all_gather_across_nodes(CudaGroup& g, const ParamAllGather& a, const 
   }
   size_t pace = nodes.pace_bytes;
   if (pace == 0) pace = env::get_bytes("TIDE_ALLGATHER_PACE_BYTES", size_t{4} << 20);
-  const plan::NodeAllGatherSchedule schedule = plan::node_allgather_schedule(
-      layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace), static_cast<int64_t>(des)));
+  TIDE_CHECK(nodes.schedules, "tide: cuda: param_all_gather on rank ", me, ": no schedule cache");
+  const plan::NodeAllGatherSchedule& schedule = nodes.schedules->get(
+      layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace), static_cast<int64_t>(des)), me);
   node_param_all_gather({&layout, &schedule, me, a.storages, des, g.current(CudaGroup::kNodeAg)}, engine, peers);
   g.end(stream, {s});
 }
