@@ -1,5 +1,5 @@
 // Passing file descriptors between the processes of one host. CUDA's shareable handles
-// (cuMemCreate / cuMulticastCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) are fds
+// (cuMemCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) are fds
 // that only mean something in the process that holds them, so a peer must be handed the fd
 // itself: SCM_RIGHTS over a Unix datagram socket. (pidfd_getfd would need ptrace rights
 // over a sibling process, which Yama's default ptrace_scope=1 refuses.)

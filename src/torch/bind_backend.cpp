@@ -160,7 +160,7 @@ void bind_backend(pybind11::module_& m) {
            "(slot_bytes, num_slots) of TIDE-RS's staging on cuda:device (collective at the first CUDA call).")
       .def("cuda_path_choice", &ProcessGroupTide::cuda_path_choice, py::arg("device"),
            py::call_guard<py::gil_scoped_release>(),
-           "(path, reason): 'copy engines', 'multicast' or 'nccl' (no peer access) on cuda:device.")
+           "(path, reason): 'copy engines' or 'nccl' (no peer access) on cuda:device.")
       .def("set_cuda_delegate", &ProcessGroupTide::set_cuda_delegate, py::arg("backend"))
       .def("why_not_across_nodes", &ProcessGroupTide::why_not_across_nodes, py::arg("device") = -1,
            "'' where TIDE-AG runs across this group's nodes for tensors on `device` (-1: CPU), else why not.")

@@ -513,7 +513,8 @@ std::string run_scenario(const RankCtx& c) {
     TIDE_EXPECT(caps.device_count > 0, "probe found no device: ", caps.error);
     TIDE_EXPECT(caps.devices[0].sm_count > 0 && caps.devices[0].copy_engines > 0, cuda::describe(caps));
     cuda::PathChoice pc = cuda::choose_allgather_path(caps, std::vector<int>(static_cast<size_t>(c.ws), 0));
-    TIDE_EXPECT(c.ws == 1 || pc.path != cuda::AllGatherPath::multicast, "multicast chosen for ranks sharing a device");
+    TIDE_EXPECT(pc.path == cuda::AllGatherPath::copy_engine, "ranks sharing one device do not take the copy engines: ",
+                pc.reason);
     return cuda::describe(caps) + "\n  all-gather path: " + cuda::path_name(pc.path) + " (" + pc.reason + ")";
   }
   const size_t small = static_cast<size_t>(2 * c.ws * 1024);  // 2 slots x ws pieces of 1 KiB

@@ -28,14 +28,23 @@ Capabilities fake(int n, bool multicast, int engines = 3) {
   return c;
 }
 
-TEST(CudaPathChoice, MulticastWhenEveryRankHasItsOwnCapableDevice) {
-  EXPECT_EQ(choose_allgather_path(fake(8, true), {0, 1, 2, 3, 4, 5, 6, 7}).path, AllGatherPath::multicast);
+TEST(CudaPathChoice, CopyEnginesAlsoWhereMulticastExists) {
+  // TIDE has no multicast path: multicast is reported, the copy engines carry the bytes.
+  auto pc = choose_allgather_path(fake(8, true), {0, 1, 2, 3, 4, 5, 6, 7});
+  EXPECT_EQ(pc.path, AllGatherPath::copy_engine);
+  EXPECT_NE(pc.reason.find("multicast present, unused"), std::string::npos) << pc.reason;
 }
 
 TEST(CudaPathChoice, CopyEnginesWithoutMulticast) {
   auto pc = choose_allgather_path(fake(2, false), {0, 1});
   EXPECT_EQ(pc.path, AllGatherPath::copy_engine);
-  EXPECT_EQ(pc.reason, "multicast unsupported on this device");
+  EXPECT_EQ(pc.reason, "peer access between every rank's device");
+}
+
+TEST(CudaPathChoice, NcclWithoutCopyEngines) {
+  auto pc = choose_allgather_path(fake(2, false, 0), {0, 1});
+  EXPECT_EQ(pc.path, AllGatherPath::nccl);
+  EXPECT_EQ(pc.reason, "no copy engine on device 1");
 }
 
 TEST(CudaPathChoice, CopyEnginesWhenRanksShareADevice) {

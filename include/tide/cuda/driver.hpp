@@ -14,11 +14,6 @@ struct Driver {
   TIDE_DRIVER_FN(cuDeviceGetAttribute)
   TIDE_DRIVER_FN(cuStreamWriteValue32)
   TIDE_DRIVER_FN(cuStreamWaitValue32)
-  TIDE_DRIVER_FN(cuMulticastCreate)
-  TIDE_DRIVER_FN(cuMulticastAddDevice)
-  TIDE_DRIVER_FN(cuMulticastBindMem)
-  TIDE_DRIVER_FN(cuMulticastUnbind)
-  TIDE_DRIVER_FN(cuMulticastGetGranularity)
   TIDE_DRIVER_FN(cuMemCreate)
   TIDE_DRIVER_FN(cuMemGetAllocationGranularity)
   TIDE_DRIVER_FN(cuMemRelease)
@@ -33,7 +28,7 @@ struct Driver {
 };
 
 // The driver's entry points; nullptr when there is no usable driver (never throws).
-// Entry points a driver lacks (e.g. multicast before 12.1) stay null.
+// Entry points a driver lacks stay null.
 const Driver* try_driver();
 // Same, but throws tide::Error naming the rank when there is no driver.
 const Driver& driver();

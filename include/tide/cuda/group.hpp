@@ -168,13 +168,6 @@ class CudaGroup {
   std::string broken_why_;
 };
 
-// Extra knobs of TIDE-AG on CUDA.
-struct CudaAllGatherOptions {
-  // When set and the group's path is multicast: storages lie in mc->unicast() and each rank
-  // writes its own shard once to the multicast address (structural; untested on one GPU).
-  MulticastBuffer* multicast = nullptr;
-};
-
 // TIDE-AG with copy engines: every rank's shard (args.shards must be a CudaSymmetricBuffer)
 // is copied by cudaMemcpy(Batch/2D)Async from its owner's memory to the planner's
 // placement in this rank's storages (device memory). Equal dtypes: no kernel at all.
@@ -182,8 +175,7 @@ struct CudaAllGatherOptions {
 // kernel first writes this rank's shard in the storage dtype into symmetric scratch; peers
 // then copy those bytes. Stream-ordered after `stream`'s prior work; `stream` waits for the
 // result.
-void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t stream = nullptr,
-                      const CudaAllGatherOptions& options = {});
+void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t stream = nullptr);
 
 // TIDE-AG of a group over several nodes, `group` being this rank's node: the two-level
 // schedule of src/collectives/node_all_gather.cpp with the node peers' storages read over

@@ -36,7 +36,7 @@ struct Capabilities {
 Capabilities probe();
 std::string describe(const Capabilities& caps);
 
-enum class AllGatherPath { multicast, copy_engine, nccl };
+enum class AllGatherPath { copy_engine, nccl };
 const char* path_name(AllGatherPath path);
 
 struct PathChoice {
@@ -45,10 +45,11 @@ struct PathChoice {
 };
 
 // The all-gather path for ranks on `rank_devices` (one device ordinal per local rank, the
-// same device may repeat: several processes on one GPU). Preference: multicast (every rank
-// on its own multicast-capable device with VMM + POSIX fd handles) > copy engines over
-// IPC / peer memory > NCCL. With TIDE_DEBUG=1 logs e.g.
-// "[tide] cuda: multicast unsupported on this device: copy engines".
+// same device may repeat: several processes on one GPU): copy engines over IPC / peer
+// memory where every device has IPC, a copy engine and peer access to the others, else
+// NCCL. NVSwitch multicast, where every rank has its own capable device, is named in the
+// reason but not used. With TIDE_DEBUG=1 logs e.g.
+// "[tide] cuda: peer access between every rank's device: copy engines".
 PathChoice choose_allgather_path(const Capabilities& caps, const std::vector<int>& rank_devices);
 
 }  // namespace tide::cuda

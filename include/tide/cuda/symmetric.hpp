@@ -14,12 +14,6 @@
 //   the part is leaked rather than freed under a peer's feet.
 // Several ranks on the SAME device in different processes work either way: handles are per
 // process, not per device. A store barrier ends every allocation.
-//
-// MulticastBuffer (NVSwitch multicast, cuMulticast*): one multicast object bound to a
-// cuMemCreate allocation on every rank's device, mapped as a unicast (this rank's
-// physical memory) and a multicast address (a store there lands on every rank). Only when
-// probe() reports multicast on every device and every rank has its own device; it cannot be
-// exercised on one GPU (the test machine) and is compiled but untested.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -84,28 +78,6 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   std::vector<size_t> mapped_;
   void allocate_vmm(size_t bytes, FdChannel& fds);
   void destroy_vmm();
-};
-
-class MulticastBuffer {
- public:
-  // Collective. Every rank must be on its own device with caps multicast + vmm + POSIX fd.
-  // Rank 0 creates the multicast object and sends it, as a POSIX fd, over `fds`.
-  static std::unique_ptr<MulticastBuffer> create(std::shared_ptr<Store> store, const std::string& key,
-                                                 int rank, int world_size, int device, size_t bytes,
-                                                 std::chrono::milliseconds timeout, FdChannel& fds);
-  ~MulticastBuffer();
-  void* unicast() const { return reinterpret_cast<void*>(uc_va_); }
-  void* multicast() const { return reinterpret_cast<void*>(mc_va_); }
-  size_t bytes() const { return size_; }
-
- private:
-  MulticastBuffer() = default;
-  size_t size_ = 0;
-  int device_ = 0;
-  CUmemGenericAllocationHandle mc_ = 0, mem_ = 0;
-  CUdeviceptr uc_va_ = 0, mc_va_ = 0;
-  bool mc_created_ = false, mem_created_ = false, bound_ = false;
-  int mc_fd_ = -1;
 };
 
 }  // namespace tide::cuda

@@ -114,6 +114,10 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
 
     if backend is None:
         return "not a tide group (or CUDA tensors with a tide built without CUDA)"
+    if group.size() == 1:
+        # Nothing to gather, and FSDP2 (2.11) never calls the copy-out seam at world size 1,
+        # so on CUDA nothing would wait for TIDE-AG's event before FSDP2 writes the storage.
+        return "world size 1"
     if (why := _why_not_nodes(backend, device, "all_gather")) is not None:
         return why
     if (why := _why_not_cuda(backend, device)) is not None:
@@ -344,7 +348,7 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
     if why is None:
         state, why = _group_state(fsdp_params, group, backend, device)
     if state is None:
-        if backend is not None:
+        if backend is not None and why != "world size 1":
             _fallback("all-gather", why)
         stats["stock_all_gather"] += 1
         return None

@@ -251,10 +251,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGa
   guarded("param_all_gather", [&] { tide::cuda::param_all_gather(g, args, stream); });
   if (tide::env::debug())
     tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
-                                        args.layout->params.size(), " params over copy engines",
-                                        g.allgather_path().path == tide::cuda::AllGatherPath::multicast
-                                            ? " (multicast-capable: FSDP2's storages are not multicast-mapped yet)"
-                                            : ""));
+                                        args.layout->params.size(), " params over copy engines"));
   return finish("tide:param_all_gather", c10d::OpType::ALLGATHER, std::move(outputs), device);
 }
 

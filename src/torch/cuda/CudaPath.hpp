@@ -69,7 +69,7 @@ class CudaPath {
   CudaPath& operator=(const CudaPath&) = delete;
 
   // Collective at the first call (creates the group): the node's all-gather path for
-  // `device` ("copy engines", "multicast" or "nccl": no peer access) and why.
+  // `device` ("copy engines", or "nccl": no peer access) and why.
   std::pair<std::string, std::string> path_choice(int device);
   // (slot bytes, slots) of the group's TIDE-RS staging.
   std::pair<size_t, int> staging_geometry(int device);

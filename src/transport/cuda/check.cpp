@@ -60,11 +60,6 @@ const Driver* try_driver() {
     if (!ok) return;
     TIDE_RESOLVE(cuStreamWriteValue32, 12000);
     TIDE_RESOLVE(cuStreamWaitValue32, 12000);
-    TIDE_RESOLVE(cuMulticastCreate, 12010);
-    TIDE_RESOLVE(cuMulticastAddDevice, 12010);
-    TIDE_RESOLVE(cuMulticastBindMem, 12010);
-    TIDE_RESOLVE(cuMulticastUnbind, 12010);
-    TIDE_RESOLVE(cuMulticastGetGranularity, 12010);
     TIDE_RESOLVE(cuMemCreate, 12000);
     TIDE_RESOLVE(cuMemGetAllocationGranularity, 12000);
     TIDE_RESOLVE(cuMemRelease, 12000);

@@ -24,7 +24,7 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 }  // namespace
 
-void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream, const CudaAllGatherOptions& opt) {
+void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream) {
   const int me = g.rank(), ws = g.world_size();
   const plan::GroupLayout& layout = g.checked_layout(a.layout, "param_all_gather");
   const size_t np = layout.params.size();
@@ -73,44 +73,23 @@ void param_all_gather(CudaGroup& g, const ParamAllGather& a, cudaStream_t stream
   for (int r = 0; r < ws; ++r)
     if (r != me) g.wait(s, r, CudaGroup::kAgReady, ready);
 
-  if (opt.multicast && g.allgather_path().path == AllGatherPath::multicast) {
-    // Structural (needs NVSwitch multicast; not exercised on one GPU): each rank writes its
-    // own shard once to the multicast address of its placement; the switch delivers it to
-    // every rank's storage, which must live in the multicast buffer's unicast mapping.
-    MulticastBuffer& mc = *opt.multicast;
-    detail::CopyBatch batch(s, g.device());
+  detail::CopyBatch batch(s, g.device());
+  for (int i = 1; i <= ws; ++i) {
+    const int r = (me + i) % ws;
+    const std::byte* base = src->peer(r);
     for (size_t p = 0; p < np; ++p) {
-      const plan::Shard& sh = layout.params[p].shards[me];
+      const plan::Shard& sh = layout.params[p].shards[r];
       if (sh.numel == 0) continue;
-      const auto* uc = static_cast<std::byte*>(mc.unicast());
-      auto* st = static_cast<std::byte*>(a.storages[p]);
-      TIDE_CHECK(st >= uc && st + layout.params[p].storage_bytes() <= uc + mc.bytes(), "tide: cuda: rank ", me,
-                 ": param ", p, "'s storage is not inside the multicast buffer");
-      std::byte* dst = static_cast<std::byte*>(mc.multicast()) + (st - uc) + static_cast<size_t>(sh.placement.offset) * des;
       const plan::Strided& pl = sh.placement;
-      batch.add(dst, static_cast<size_t>(pl.stride) * des, src->peer(me) + src_off[p], static_cast<size_t>(pl.run) * des,
-                static_cast<size_t>(pl.run) * des, static_cast<size_t>(pl.count));
+      std::byte* dst = static_cast<std::byte*>(a.storages[p]) + static_cast<size_t>(pl.offset) * des;
+      const size_t run = static_cast<size_t>(pl.run) * des;
+      if (pl.count == 1 || pl.run == pl.stride)
+        batch.add(dst, base + src_off[p], run * static_cast<size_t>(pl.count));
+      else
+        batch.add(dst, static_cast<size_t>(pl.stride) * des, base + src_off[p], run, run, static_cast<size_t>(pl.count));
     }
-    batch.flush();
-  } else {
-    detail::CopyBatch batch(s, g.device());
-    for (int i = 1; i <= ws; ++i) {
-      const int r = (me + i) % ws;
-      const std::byte* base = src->peer(r);
-      for (size_t p = 0; p < np; ++p) {
-        const plan::Shard& sh = layout.params[p].shards[r];
-        if (sh.numel == 0) continue;
-        const plan::Strided& pl = sh.placement;
-        std::byte* dst = static_cast<std::byte*>(a.storages[p]) + static_cast<size_t>(pl.offset) * des;
-        const size_t run = static_cast<size_t>(pl.run) * des;
-        if (pl.count == 1 || pl.run == pl.stride)
-          batch.add(dst, base + src_off[p], run * static_cast<size_t>(pl.count));
-        else
-          batch.add(dst, static_cast<size_t>(pl.stride) * des, base + src_off[p], run, run, static_cast<size_t>(pl.count));
-      }
-    }
-    batch.flush();
   }
+  batch.flush();
 
   const uint64_t done = g.next(CudaGroup::kAgDone);
   g.post(s, CudaGroup::kAgDone, done);

@@ -123,7 +123,6 @@ std::string describe(const Capabilities& c) {
 
 const char* path_name(AllGatherPath p) {
   switch (p) {
-    case AllGatherPath::multicast: return "multicast";
     case AllGatherPath::copy_engine: return "copy engines";
     case AllGatherPath::nccl: return "nccl";
   }
@@ -143,43 +142,23 @@ PathChoice choose_allgather_path(const Capabilities& c, const std::vector<int>& 
     if (d < 0 || d >= c.device_count)
       return decide(AllGatherPath::nccl, "rank device " + std::to_string(d) + " does not exist");
   const std::set<int> distinct(rank_devices.begin(), rank_devices.end());
-  // Multicast: every rank on its own capable device.
-  std::string mc_why;
-  bool mc = rank_devices.size() > 1 && distinct.size() == rank_devices.size();
-  if (rank_devices.size() <= 1) mc_why = "one rank, nothing to multicast";
-  else if (!mc) mc_why = "multicast unsupported with several ranks on one device";
-  for (int d : distinct) {
-    const DeviceCaps& dc = c.devices[d];
-    if (mc && !dc.multicast) {
-      mc = false;
-      mc_why = "multicast unsupported on this device";
-    }
-    if (mc && !(dc.vmm && dc.posix_fd_handles)) {
-      mc = false;
-      mc_why = "multicast needs VMM with POSIX fd handles, unsupported on this device";
-    }
-  }
-  if (mc) return decide(AllGatherPath::multicast, "multicast supported on every device");
   // Copy engines over IPC / peer memory.
-  bool ce = true;
   std::string ce_why;
   for (int d : distinct) {
-    if (!c.devices[d].ipc) {
-      ce = false;
-      ce_why = "no CUDA IPC on device " + std::to_string(d);
-    }
-    if (c.devices[d].copy_engines < 1) {
-      ce = false;
-      ce_why = "no copy engine on device " + std::to_string(d);
-    }
+    if (!c.devices[d].ipc) ce_why = "no CUDA IPC on device " + std::to_string(d);
+    if (c.devices[d].copy_engines < 1) ce_why = "no copy engine on device " + std::to_string(d);
     for (int e : distinct)
-      if (!c.peer_access[d][e]) {
-        ce = false;
-        ce_why = "no peer access from device " + std::to_string(d) + " to " + std::to_string(e);
-      }
+      if (!c.peer_access[d][e]) ce_why = "no peer access from device " + std::to_string(d) + " to " + std::to_string(e);
   }
-  if (ce) return decide(AllGatherPath::copy_engine, mc_why);
-  return decide(AllGatherPath::nccl, mc_why + "; " + ce_why);
+  if (!ce_why.empty()) return decide(AllGatherPath::nccl, ce_why);
+  // NVSwitch multicast would deliver each shard once to every GPU; TIDE has no multicast
+  // path (docs/status.md), so where it exists it is only reported.
+  bool mc = rank_devices.size() > 1 && distinct.size() == rank_devices.size();
+  for (int d : distinct) mc = mc && c.devices[d].multicast;
+  return decide(AllGatherPath::copy_engine,
+                mc ? "peer access between every rank's device (NVSwitch multicast present, unused: TIDE has no "
+                     "multicast path)"
+                   : "peer access between every rank's device");
 }
 
 }  // namespace tide::cuda
