@@ -94,6 +94,7 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
       TIDE_CHECK(topo.local_rank(tr.owner_rank) == topo.local_rank(me), "tide param_all_gather: rank ", me,
                  ": the schedule forwards rank ", tr.owner_rank, "'s block, which is not on its rail");
       for (const plan::Strided& pat : tr.storage) {
+        if (pat.numel() == 0) continue;  // on both sides: the same schedule
         const size_t bytes = static_cast<size_t>(pat.numel()) * es;
         std::byte* base = mine(tr.param);
         if (contiguous(pat)) {

@@ -235,47 +235,77 @@ inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType st
   return "all-gather ok, kernels launched: " + std::to_string(used);
 }
 
-// The inter-node engine of the across-nodes scenario: device bytes through the file store
-// (NCCL refuses two ranks on one GPU). Stream-ordered as NCCL's: a send leaves once the
-// stream's work before it is done; a receive lands before the stream's later work.
+// The inter-node engine of the across-nodes scenarios: device bytes through the file store
+// (NCCL refuses two ranks on one GPU), stream-ordered as NCCL is and no more: start() only
+// marks the bound stream; the bytes are read later, on a side stream that waits for that
+// mark (as NCCL reads them, whatever the host did meanwhile), and the bound stream waits
+// for the receives' arrival. An executor that changed a send buffer after start(), or read
+// a receive before finish(), gets wrong bytes here as it would on NCCL.
 class StoreDeviceEngine final : public Engine {
  public:
   StoreDeviceEngine(Store& store, plan::Topology topo, int rank, cudaStream_t stream)
-      : store_(store), topo_(topo), me_(rank), s_(stream) {}
+      : store_(store), topo_(topo), me_(rank), s_(stream) {
+    TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  }
+  ~StoreDeviceEngine() override {
+    (void)cudaStreamSynchronize(side_);
+    (void)cudaStreamDestroy(side_);
+  }
   const char* name() const override { return "test store (device bytes)"; }
   void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
              std::shared_ptr<const void> keep_alive) override {
-    TIDE_CUDA_CHECK(cudaStreamSynchronize(s_));
-    for (const EngineSend& e : sends) {
+    for (const EngineSend& e : sends)
       TIDE_EXPECT(topo_.node_of(e.peer) != topo_.node_of(me_), "engine message from rank ", me_, " to rank ", e.peer,
                   " on its own node");
-      std::vector<uint8_t> bytes(e.bytes);
-      TIDE_CUDA_CHECK(cudaMemcpy(bytes.data(), e.data, e.bytes, cudaMemcpyDeviceToHost));
-      store_.set(detail::concat("m/", me_, "/", e.peer, "/", sent_[e.peer]++), bytes);
-      bytes_ += static_cast<int64_t>(e.bytes);
-    }
-    pending_.push_back({std::vector<EngineRecv>(recvs.begin(), recvs.end()), std::move(keep_alive)});
+    Exchange x{std::vector<EngineSend>(sends.begin(), sends.end()), std::vector<EngineRecv>(recvs.begin(), recvs.end()),
+               std::move(keep_alive), nullptr};
+    TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&x.posted, cudaEventDisableTiming));
+    TIDE_CUDA_CHECK(cudaEventRecord(x.posted, s_));
+    pending_.push_back(std::move(x));
   }
   void finish() override {
-    auto [recvs, keep_alive] = std::move(pending_.front());
+    Exchange x = std::move(pending_.front());
     pending_.pop_front();
-    for (const EngineRecv& e : recvs) {
-      const std::vector<uint8_t> v = store_.get(detail::concat("m/", e.peer, "/", me_, "/", received_[e.peer]++),
-                                                std::chrono::seconds(60));
-      TIDE_EXPECT(v.size() == e.bytes, "message of ", v.size(), " bytes for a receive of ", e.bytes);
-      TIDE_CUDA_CHECK(cudaMemcpyAsync(e.data, v.data(), v.size(), cudaMemcpyHostToDevice, s_));
-      TIDE_CUDA_CHECK(cudaStreamSynchronize(s_));  // v is pageable and about to go
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(side_, x.posted, 0));
+    std::vector<std::vector<uint8_t>> out;
+    for (const EngineSend& e : x.sends) {
+      out.emplace_back(e.bytes);
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(out.back().data(), e.data, e.bytes, cudaMemcpyDeviceToHost, side_));
     }
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));
+    for (size_t i = 0; i < x.sends.size(); ++i) {
+      store_.set(detail::concat("m/", me_, "/", x.sends[i].peer, "/", sent_[x.sends[i].peer]++), out[i]);
+      bytes_ += static_cast<int64_t>(out[i].size());
+    }
+    std::vector<std::vector<uint8_t>> in;
+    for (const EngineRecv& e : x.recvs) {
+      in.push_back(store_.get(detail::concat("m/", e.peer, "/", me_, "/", received_[e.peer]++), std::chrono::seconds(60)));
+      TIDE_EXPECT(in.back().size() == e.bytes, "message of ", in.back().size(), " bytes for a receive of ", e.bytes);
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(e.data, in.back().data(), e.bytes, cudaMemcpyHostToDevice, side_));
+    }
+    cudaEvent_t arrived = nullptr;
+    TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&arrived, cudaEventDisableTiming));
+    TIDE_CUDA_CHECK(cudaEventRecord(arrived, side_));
+    TIDE_CUDA_CHECK(cudaStreamWaitEvent(s_, arrived, 0));
+    TIDE_CUDA_CHECK(cudaStreamSynchronize(side_));  // `in` is pageable host memory, about to go
+    (void)cudaEventDestroy(arrived);
+    (void)cudaEventDestroy(x.posted);
   }
   int64_t bytes() const { return bytes_; }
 
  private:
+  struct Exchange {
+    std::vector<EngineSend> sends;
+    std::vector<EngineRecv> recvs;
+    std::shared_ptr<const void> keep_alive;
+    cudaEvent_t posted;
+  };
   Store& store_;
   plan::Topology topo_;
   int me_;
-  cudaStream_t s_;
+  cudaStream_t s_, side_ = nullptr;
   std::map<int, int> sent_, received_;
-  std::deque<std::pair<std::vector<EngineRecv>, std::shared_ptr<const void>>> pending_;
+  std::deque<Exchange> pending_;
   int64_t bytes_ = 0;
 };
 

@@ -165,6 +165,13 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
       created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_ + "/node" + std::to_string(t.node_of(rank_)),
                                                         t.local_rank(rank_), t.local_size, device, options);
       engine_ = std::make_unique<NcclEngine>(nodes_->nccl, device);
+      // NCCL makes its communicator at the first call, with every rank in it; a rank with
+      // nothing to move in its first exchange would skip it and leave the others waiting.
+      // So every rank calls once here, at group creation (itself collective).
+      c10::cuda::CUDAGuard on(static_cast<c10::DeviceIndex>(device));
+      std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(at::kCUDA, device))};
+      nodes_->nccl->allreduce(one)->wait();
+      TIDE_CUDA_CHECK(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
     } else {
       created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
     }

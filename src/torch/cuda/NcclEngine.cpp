@@ -11,9 +11,13 @@
 namespace tide::torch_backend {
 namespace {
 
+// A byte tensor over device memory, its device given (no cudaPointerGetAttributes per message).
 at::Tensor device_bytes(const void* data, size_t n, int device) {
-  return at::from_blob(const_cast<void*>(data), {static_cast<int64_t>(n)},
-                       at::TensorOptions().dtype(at::kByte).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  const c10::Device where(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+  return at::for_blob(const_cast<void*>(data), {static_cast<int64_t>(n)})
+      .options(at::TensorOptions().dtype(at::kByte).device(where))
+      .target_device(where)
+      .make_tensor();
 }
 
 }  // namespace
@@ -38,11 +42,21 @@ void NcclEngine::start(std::span<const tide::EngineSend> sends, std::span<const 
       nccl_->recv(t, r.peer, 0);
     }
   } catch (...) {
-    (void)nccl_->endCoalescing();
+    // Half a group was posted: ending the coalescing launches it, and peers would then match
+    // the wrong messages on a communicator other ops share. The communicator is done for:
+    // abort it (every peer's NCCL errors out too), keep the buffers (receives may land).
+    try {
+      (void)nccl_->endCoalescing();
+    } catch (...) {
+    }
+    failed_.push_back(std::move(exchange));
     in_flight_.pop_back();
+    nccl_->abort();
     throw;
   }
   exchange.work = nccl_->endCoalescing();
+  TIDE_CHECK(exchange.work, "tide inter-node exchange over nccl: the NCCL backend returned no work for a group of ",
+             sends.size(), " sends and ", recvs.size(), " receives");
 }
 
 void NcclEngine::finish() {

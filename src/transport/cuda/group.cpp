@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include "../../core/env.hpp"
@@ -60,6 +61,19 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   TIDE_CHECK(opt_.num_slots >= 1, "tide: cuda: rank ", rank_, ": num_slots must be >= 1");
   set_error_rank(rank_);
   mode_ = sync_from_env(opt_.sync);
+  // CUDA_DEVICE_MAX_CONNECTIONS below the default of 8 (1 is what Megatron-style launchers
+  // set) multiplexes the process's streams onto that many hardware queues: a stream waiting
+  // for a peer's flag (cuStreamWaitValue32) then holds back the compute or NCCL work queued
+  // behind it on the same queue, a stall at best and, with NCCL across nodes, a cycle.
+  if (const int64_t queues = env::get_int("CUDA_DEVICE_MAX_CONNECTIONS", 8); queues < 8) {
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      std::fprintf(stderr,
+                   "[tide] CUDA_DEVICE_MAX_CONNECTIONS=%lld: TIDE's stream waits can hold back other streams' work "
+                   "that shares their hardware queue (compute, NCCL); unset it or set it to 8 or more\n",
+                   static_cast<long long>(queues));
+    });
+  }
   caps_ = probe();
   TIDE_CHECK(caps_.device_count > 0, "tide: cuda: rank ", rank_, ": no CUDA device (", caps_.error, ")");
   TIDE_CHECK(device_ >= 0 && device_ < caps_.device_count, "tide: cuda: rank ", rank_, ": device ", device_,
