@@ -157,12 +157,25 @@ inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const
 }
 
 // Number of CUDA devices, asked of a fresh child process (the parent stays CUDA-free).
-inline int device_count(const std::vector<std::string>& child_args) {
+// When 0, `why` (if given) says what the child reported: no device, or its failure (a
+// driver/runtime mismatch, a crash), which a caller must not mistake for "no GPU".
+inline int device_count(const std::vector<std::string>& child_args, std::string* why = nullptr) {
   static int cached = -1;
-  if (cached >= 0) return cached;
-  std::vector<Outcome> o = run_ranks("count", 1, child_args, std::chrono::seconds(60));
-  cached = 0;
-  if (o[0].exit_code == 0 && o[0].text.rfind("OK ", 0) == 0) cached = std::atoi(o[0].text.c_str() + 3);
+  static std::string reason;
+  if (cached < 0) {
+    std::vector<Outcome> o = run_ranks("count", 1, child_args, std::chrono::seconds(60));
+    cached = 0;
+    if (o[0].exit_code == 0 && o[0].text.rfind("OK ", 0) == 0) cached = std::atoi(o[0].text.c_str() + 3);
+    if (cached == 0) {
+      reason = o[0].exit_code == 0 ? "the device-count child found 0 devices"
+                                   : "the device-count child failed (exit " + std::to_string(o[0].exit_code) +
+                                         (o[0].hung ? ", hung" : "") + ")";
+      std::string text = o[0].text;
+      while (!text.empty() && text.back() == '\n') text.pop_back();
+      if (!text.empty()) reason += ": " + text;
+    }
+  }
+  if (why) *why = reason;
   return cached;
 }
 

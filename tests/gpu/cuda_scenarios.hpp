@@ -533,10 +533,10 @@ inline std::vector<std::string> scenario_names() {
 std::string run_scenario(const RankCtx& c) {
   using namespace sc;
   const std::string& s = c.scenario;
-  if (s == "count") {
+  if (s == "count") {  // the runtime's reason when it finds none (no driver, a mismatch, no device)
     int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    return std::to_string(n);
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    return e == cudaSuccess ? std::to_string(n) : "0 (" + std::string(cudaGetErrorString(e)) + ")";
   }
   if (s == "probe") {
     cuda::Capabilities caps = cuda::probe();
