@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "phase2_plan.hpp"
 #include "tide/cuda/kernels.hpp"
 
 #define CK(x)                                                                                 \
@@ -89,7 +90,7 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, dev));
   const int sms = prop.multiProcessorCount;
-  const int rs_ctas = std::getenv("TIDE_RS_CTAS") ? std::atoi(std::getenv("TIDE_RS_CTAS")) : 8;
+  const int rs_ctas = tide::cuda::accumulate_ctas();  // TIDE_RS_CTAS, else from the device
   const int nccl_ctas = std::getenv("NCCL_CTAS") ? std::atoi(std::getenv("NCCL_CTAS")) : 16;
   std::fprintf(stderr, "bench: %s, %d SMs, %d copy engines\n", prop.name, sms, prop.asyncEngineCount);
   cudaStream_t s0, s1, s2;
@@ -137,6 +138,48 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr, "bench: copy %.0f GB/s, accumulate best %.0f GB/s (%d CTAs, %.0f%%), at %d CTAs %.0f GB/s\n",
                hbm_copy_GBps, best_acc, best_ctas, 100 * best_acc / hbm_copy_GBps, rs_ctas, acc_at_rs_ctas);
+
+  // (a2) Phase 2 as the executors launch it: a Llama-3.1-8B block's nine bf16 gradients at 8
+  // ranks, the pipeline planned as the CUDA TIDE-RS plans it (a piece of 32 MiB / 2 slots / 8
+  // ranks per destination, parts 16-byte aligned), destination 0's pieces reduced from 8
+  // staged sources (one GPU: the ranks' slots are 8 buffers) into an fp32 output laid out as
+  // FSDP2's reduce_output. Reported: the fraction of source bytes read with vector loads
+  // (accumulate_reads), also for a plan without the alignment, and the bandwidth.
+  auto phase2 = [&](int64_t align, double* gbps) {
+    const tide::bench::Phase2Plan plan = tide::bench::llama_block_phase2(align);
+    std::vector<__nv_bfloat16*> slots(size_t(plan.ranks));
+    for (int r = 0; r < plan.ranks; ++r) slots[size_t(r)] = bf16_buf(size_t(plan.piece_elems), 31u * (r + 1));
+    float* out = nullptr;
+    CK(cudaMalloc(&out, size_t(plan.out_numel) * 4));
+    auto pass = [&] {
+      double bytes = 0;
+      for (const auto& l : plan.launches) {
+        tide::cuda::AccumulateSources srcs{};
+        srcs.count = plan.ranks;
+        for (int r = 0; r < plan.ranks; ++r) srcs.ptr[r] = slots[size_t(r)] + l.staging_offset;
+        CK(tide::cuda::launch_accumulate_f32(out + l.out_offset, srcs, tide::DType::bf16, size_t(l.count), 1.f, false,
+                                             rs_ctas, s0));
+        bytes += double(l.count) * (2 * plan.ranks + 4);
+      }
+      return bytes;
+    };
+    pass();  // warm
+    const tide::cuda::AccumulateReads before = tide::cuda::accumulate_reads();
+    t.start(s0);
+    const double bytes = pass();
+    *gbps = bytes / (t.stop_ms(s0) * 1e-3) / 1e9;
+    const tide::cuda::AccumulateReads after = tide::cuda::accumulate_reads();
+    for (auto* p : slots) CK(cudaFree(p));
+    CK(cudaFree(out));
+    const double vec = double(after.vector_bytes - before.vector_bytes);
+    return vec / (vec + double(after.scalar_bytes - before.scalar_bytes));
+  };
+  double phase2_GBps = 0, phase2_unaligned_GBps = 0;
+  const double phase2_vectorized = phase2(tide::cuda::kAccumulateAlign, &phase2_GBps);
+  const double phase2_vectorized_unaligned = phase2(0, &phase2_unaligned_GBps);
+  std::fprintf(stderr, "bench: phase 2 of a Llama-3.1-8B block at 8 ranks: %.0f%% of source bytes vectorized, %.0f GB/s "
+               "(plan without alignment: %.0f%%, %.0f GB/s)\n", 100 * phase2_vectorized, phase2_GBps,
+               100 * phase2_vectorized_unaligned, phase2_unaligned_GBps);
 
   // (b) copy-engine all-gather: 3 peers' shards + own, 64 MiB each, into one storage.
   const size_t shard = size_t(64) << 20;
@@ -227,13 +270,16 @@ int main(int argc, char** argv) {
                 "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"copy_engines\": %d,\n  \"hbm_copy_GBps\": %.1f,\n"
                 "  \"accumulate_GBps\": %.1f,\n  \"accumulate_best_ctas\": %d,\n  \"accumulate_vs_copy\": %.3f,\n"
                 "  \"accumulate_GBps_at_rs_ctas\": %.1f,\n  \"rs_ctas\": %d,\n  \"accumulate_GBps_by_ctas\": {%s},\n"
+                "  \"rs_phase2_vectorized_fraction\": %.4f,\n  \"rs_phase2_GBps\": %.1f,\n"
+                "  \"rs_phase2_vectorized_fraction_unaligned_plan\": %.4f,\n  \"rs_phase2_GBps_unaligned_plan\": %.1f,\n"
                 "  \"allgather_ce_GBps\": %.1f,\n  \"gemm_bf16_TFLOPs\": %.1f,\n"
                 "  \"gemm_single_wave\": {\"m\": %d, \"n\": %d, \"k\": %d},\n  \"gemm_single_wave_us\": %.2f,\n"
                 "  \"gemm_with_tide_rs_us\": %.2f,\n  \"gemm_slowdown_tide_rs\": %.4f,\n"
                 "  \"gemm_with_sm_ring_proxy_us\": %.2f,\n  \"gemm_slowdown_sm_ring_proxy\": %.4f,\n  \"nccl_ctas\": %d,\n"
                 "  \"baseline\": \"in-house ring-style bf16 reduce kernel, %d CTAs x 512 threads, 4 inputs (one process; not ncclReduceScatter)\"\n}\n",
                 prop.name, sms, prop.asyncEngineCount, hbm_copy_GBps, best_acc, best_ctas, best_acc / hbm_copy_GBps,
-                acc_at_rs_ctas, rs_ctas, by_ctas.c_str(), allgather_ce_GBps, gemm_bf16_TFLOPs, m, n, k, alone_ms * 1e3,
+                acc_at_rs_ctas, rs_ctas, by_ctas.c_str(), phase2_vectorized, phase2_GBps, phase2_vectorized_unaligned,
+                phase2_unaligned_GBps, allgather_ce_GBps, gemm_bf16_TFLOPs, m, n, k, alone_ms * 1e3,
                 tide_ms * 1e3, tide_ms / alone_ms - 1, base_ms * 1e3, base_ms / alone_ms - 1, nccl_ctas, nccl_ctas);
   if (argc > 1) {
     FILE* f = std::fopen(argv[1], "w");

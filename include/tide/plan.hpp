@@ -6,6 +6,7 @@
 // Units: offsets and lengths are in elements of the tensor they index unless a name says
 // bytes; Strided::in_bytes converts a pattern to bytes.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -209,12 +210,19 @@ struct RsChunk {
   int slot = 0;  // id % max_inflight
   int64_t begin = 0;
   int64_t end = 0;
+  int64_t staged = 0;           // staging elements the window takes per destination (<= chunk_elems)
   std::vector<RsPiece> pieces;  // ordered by destination rank, then parameter
 };
 struct RsPipelineOptions {
   int64_t chunk_bytes = 4 << 20;  // staging bytes per chunk
   int max_inflight = 2;           // chunks between phase 1 and the end of phase 2
   int64_t staging_elem_size = 4;  // bytes per staged element (fp32 accumulation)
+  // 0: a window's parameters lie back to back in staging, as in the flat output space.
+  // Else (a multiple of staging_elem_size): each parameter's part of a window starts at a
+  // multiple of align_bytes in staging, so the CUDA accumulation reads every staged source
+  // with 16-byte vector loads; a window then ends where its staging would overflow, so
+  // windows cover slightly less of the flat space (at most align_bytes per parameter).
+  int64_t align_bytes = 0;
 };
 struct RsPipeline {
   int64_t chunk_elems = 0;
@@ -224,9 +232,13 @@ struct RsPipeline {
 
   // Per rank; depends on the per-rank output, not on the world size.
   int64_t staging_bytes() const { return slot_bytes * num_slots; }
-  // Elements of the widest window (the first; 0 without chunks): the most one destination's
-  // part of a window holds, min(chunk_elems, the whole padded shard space).
-  int64_t widest_window() const { return chunks.empty() ? 0 : chunks.front().end - chunks.front().begin; }
+  // The most staging elements one destination's part of a window takes (<= chunk_elems):
+  // what a buffer holding one window's part for a destination needs.
+  int64_t widest_window() const {
+    int64_t w = 0;
+    for (const RsChunk& c : chunks) w = std::max(w, c.staged);
+    return w;
+  }
 };
 RsPipeline rs_pipeline(const GroupLayout& layout, const RsPipelineOptions& options);
 

@@ -26,28 +26,55 @@ RsPipeline rs_pipeline(const GroupLayout& layout, const RsPipelineOptions& optio
     total += p.padded_shard_numel;
   }
 
-  for (int64_t begin = 0; begin < total; begin += pipe.chunk_elems) {
+  // Staging offsets of aligned parts: multiples of `align` elements.
+  TIDE_CHECK(options.align_bytes >= 0 && options.align_bytes % options.staging_elem_size == 0,
+             "rs_pipeline: align_bytes ", options.align_bytes, " is not a multiple of the staged element size ",
+             options.staging_elem_size);
+  const int64_t align = std::max<int64_t>(1, options.align_bytes / options.staging_elem_size);
+  TIDE_CHECK(align <= pipe.chunk_elems, "rs_pipeline: a chunk of ", pipe.chunk_elems, " elements is smaller than the ",
+             options.align_bytes, "-byte alignment");
+  auto align_up = [&](int64_t n) { return (n + align - 1) / align * align; };
+  size_t first = 0;  // the first parameter whose padded shard reaches past `begin`
+  for (int64_t begin = 0; begin < total;) {
     RsChunk chunk;
     chunk.id = static_cast<int>(pipe.chunks.size());
     chunk.slot = chunk.id % options.max_inflight;
     chunk.begin = begin;
-    chunk.end = std::min(total, begin + pipe.chunk_elems);
+    // The window: parameters' parts from `begin` on, each at an aligned staging offset,
+    // until the staging of one destination is full.
+    std::vector<int64_t> offset(layout.params.size(), -1);  // staging offset of each param's part
+    int64_t end = begin, used = 0;
+    while (first < layout.params.size() && param_base[first] + layout.params[first].padded_shard_numel <= begin) ++first;
+    for (size_t i = first; i < layout.params.size() && end < total; ++i) {
+      const int64_t from = std::max(end, param_base[i]), to = param_base[i] + layout.params[i].padded_shard_numel;
+      if (from >= to) continue;
+      const int64_t at = align_up(used);
+      if (at >= pipe.chunk_elems) break;
+      const int64_t take = std::min(to - from, pipe.chunk_elems - at);
+      offset[i] = at;
+      used = at + take;
+      end = from + take;
+      if (from + take < to) break;  // the window is full inside this parameter
+    }
+    chunk.end = end;
+    chunk.staged = used;
     for (int dst = 0; dst < layout.world_size; ++dst) {
-      for (size_t i = 0; i < layout.params.size(); ++i) {
+      for (size_t i = first; i < layout.params.size(); ++i) {
+        if (offset[i] < 0) continue;
         const Shard& s = layout.params[i].shards[dst];
         // The window in this shard's coordinates, clipped to its real elements (padding
         // receives nothing).
         const int64_t lo = std::max<int64_t>(chunk.begin - param_base[i], 0);
         const int64_t hi = std::min(chunk.end - param_base[i], s.numel);
         if (lo >= hi) continue;
-        chunk.pieces.push_back({static_cast<int>(i), dst, lo, hi, param_base[i] + lo - chunk.begin,
-                                slice(s.placement, lo, hi)});
+        chunk.pieces.push_back({static_cast<int>(i), dst, lo, hi, offset[i], slice(s.placement, lo, hi)});
       }
     }
     pipe.chunks.push_back(std::move(chunk));
+    begin = end;
   }
   pipe.num_slots = static_cast<int>(std::min<int64_t>(options.max_inflight, pipe.chunks.size()));
-  pipe.slot_bytes = std::min(pipe.chunk_elems, total) * options.staging_elem_size;
+  pipe.slot_bytes = pipe.widest_window() * options.staging_elem_size;
   return pipe;
 }
 

@@ -14,12 +14,14 @@ using testing::expand;
 
 TEST(PlanPipeline, ChunksCoverEveryShardElementOnceAndSlotsCycle) {
   std::mt19937 rng(5);
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < 600; ++trial) {
     const int ws = 1 + trial % 16;
     const GroupLayout g = plan_group(testing::random_params(rng, ws), ws);
-    const RsPipelineOptions opt{std::vector<int64_t>{4, 12, 40, 4096}[trial % 4], 1 + trial % 3, 4};
+    // Half the trials align each parameter's staging to 16 bytes (the CUDA executors').
+    const int64_t elem = trial % 3 == 0 ? 2 : 4, align = trial % 2 ? 16 : 0;
+    const RsPipelineOptions opt{std::vector<int64_t>{16, 48, 160, 4096}[trial % 4], 1 + trial % 3, elem, align};
     const RsPipeline pipe = rs_pipeline(g, opt);
-    EXPECT_EQ(pipe.chunk_elems, opt.chunk_bytes / 4);
+    EXPECT_EQ(pipe.chunk_elems, opt.chunk_bytes / elem);
     // covered[param][dst][shard element]
     std::vector<std::vector<std::vector<int>>> covered(g.params.size());
     for (size_t i = 0; i < g.params.size(); ++i)
@@ -31,16 +33,20 @@ TEST(PlanPipeline, ChunksCoverEveryShardElementOnceAndSlotsCycle) {
       EXPECT_EQ(chunk.slot, chunk.id % opt.max_inflight);
       EXPECT_LT(chunk.slot, pipe.num_slots);
       EXPECT_EQ(chunk.begin, prev_end);
+      EXPECT_LT(chunk.begin, chunk.end);
       EXPECT_LE(chunk.end - chunk.begin, pipe.chunk_elems);
+      EXPECT_LE(chunk.staged, pipe.chunk_elems);
+      if (!align) EXPECT_EQ(chunk.staged, chunk.end - chunk.begin);
       prev_end = chunk.end;
       std::vector<std::vector<int>> staged(ws, std::vector<int>(pipe.chunk_elems, 0));
       for (const RsPiece& p : chunk.pieces) {
         const Shard& s = g.params[p.param].shards[p.dst_rank];
         EXPECT_EQ(p.grad, slice(s.placement, p.shard_begin, p.shard_end));
         for (int64_t e = p.shard_begin; e < p.shard_end; ++e) ++covered[p.param][p.dst_rank][e];
+        if (align) EXPECT_EQ(p.staging_offset * elem % align, 0) << "piece of param " << p.param << " in chunk " << c;
         for (int64_t o = p.staging_offset; o < p.staging_offset + p.shard_end - p.shard_begin;
              ++o) {
-          ASSERT_TRUE(o >= 0 && o < pipe.chunk_elems);
+          ASSERT_TRUE(o >= 0 && o < chunk.staged);
           EXPECT_EQ(++staged[p.dst_rank][o], 1) << "staging overlap in chunk " << c;
         }
       }
@@ -52,7 +58,10 @@ TEST(PlanPipeline, ChunksCoverEveryShardElementOnceAndSlotsCycle) {
       for (int r = 0; r < ws; ++r)
         for (int n : covered[i][r]) ASSERT_EQ(n, 1) << "param " << i << " rank " << r;
     EXPECT_LE(pipe.staging_bytes(), opt.max_inflight * opt.chunk_bytes);
+    EXPECT_EQ(pipe.slot_bytes, pipe.widest_window() * elem);
   }
+  EXPECT_THROW(rs_pipeline(plan_group({{{8}, 2, 0}}, 2), {16, 2, 4, 6}), Error);   // not a multiple
+  EXPECT_THROW(rs_pipeline(plan_group({{{8}, 2, 0}}, 2), {8, 2, 4, 16}), Error);   // wider than a chunk
 }
 
 TEST(PlanPipeline, StagingAddressedStaysWithinTheSlotsAtEveryWorldSize) {

@@ -53,7 +53,7 @@ struct CudaGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   size_t staging_bytes = 0;  // TIDE-RS staging per rank; 0: TIDE_CUDA_STAGING_BYTES or 32 MiB
   int num_slots = 2;         // pipeline depth (chunks in flight)
-  int rs_ctas = 0;           // accumulate CTAs; 0: TIDE_RS_CTAS or 8
+  int rs_ctas = 0;           // accumulate CTAs; 0: TIDE_RS_CTAS, else accumulate_ctas() (the device's SMs / 8)
   int sync = -1;             // -1: TIDE_CUDA_SYNC (device|host, default device); else SyncMode
   bool blocking = true;      // collectives return after the host saw them complete
 };

@@ -21,11 +21,27 @@ struct AccumulateSources {
 // TIDE-RS phase 2, the short-lived CTA kernel:
 //   dst[i] = (accumulate ? dst[i] : 0) + scale * sum_{s in order} float(src_s[i])
 // in fp32, sources summed in the given order (bitwise reproducible). src dtype bf16, f16 or
-// f32; dst fp32. 16-byte vector loads when every pointer is 16-byte aligned. `num_ctas`
-// bounds the SMs taken from concurrent compute (0: a default of 8).
+// f32; dst fp32. Each source is read with 16-byte vector loads when it is 16-byte aligned
+// (the planner aligns staging to kAccumulateAlign), element by element otherwise; the
+// destination is written with 16-byte stores when aligned. `num_ctas` bounds the SMs taken
+// from concurrent compute (0: accumulate_ctas(), from the device).
+constexpr int64_t kAccumulateAlign = 16;
 cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DType src_dtype,
                                   size_t count, float scale, bool accumulate, int num_ctas,
                                   cudaStream_t stream);
+
+// The accumulation's provisioning on the current device: CTAs enough to stream HBM (one
+// per 8 SMs, at least 4: 17 on an H200's 132 SMs) of accumulate_threads() threads, few
+// enough to leave the SMs to compute. TIDE_RS_CTAS overrides the CTA count.
+int accumulate_ctas();
+int accumulate_threads();
+
+// Bytes the accumulation launches of this process read from sources with vector loads and
+// element by element (the benchmark reports the vectorized fraction).
+struct AccumulateReads {
+  uint64_t vector_bytes = 0, scalar_bytes = 0;
+};
+AccumulateReads accumulate_reads();
 
 // dst[i] = convert(src[i]) between f32 / bf16 / f16 (to bf16/f16: round to nearest even,
 // like the host reduce kernels). TIDE-AG's mixed-precision step: copy engines cannot convert,

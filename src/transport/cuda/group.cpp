@@ -15,6 +15,7 @@
 #include "../../core/env.hpp"
 #include "records.hpp"
 #include "tide/cuda/check.hpp"
+#include "tide/cuda/kernels.hpp"
 #include "tide/cuda/driver.hpp"
 
 namespace tide::cuda {
@@ -87,7 +88,7 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   const DeviceCaps& dc = caps_.devices[device_];
   const bool vmm_here = dc.vmm && dc.posix_fd_handles;
   opt_.staging_bytes = opt_.staging_bytes ? opt_.staging_bytes : env::get_bytes("TIDE_CUDA_STAGING_BYTES", 32u << 20);
-  rs_ctas_ = opt_.rs_ctas > 0 ? opt_.rs_ctas : static_cast<int>(env::get_int("TIDE_RS_CTAS", 8));
+  rs_ctas_ = opt_.rs_ctas > 0 ? opt_.rs_ctas : accumulate_ctas();  // TIDE_RS_CTAS, else from the device
   TIDE_CHECK(rs_ctas_ >= 1 && rs_ctas_ <= 1024, "tide: TIDE_RS_CTAS=", rs_ctas_, " out of [1, 1024]");
   num_slots_ = opt_.num_slots;
   piece_bytes_ = opt_.staging_bytes / static_cast<size_t>(num_slots_) / static_cast<size_t>(ws_) / 256 * 256;

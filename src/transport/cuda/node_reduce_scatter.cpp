@@ -23,6 +23,7 @@
 #include "rs_common.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/group.hpp"
+#include "tide/cuda/kernels.hpp"
 #include "tide/engine.hpp"
 
 namespace tide::cuda {
@@ -53,7 +54,7 @@ StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceS
              " bytes cannot hold a piece for each of ", ws, " ranks (TIDE_CUDA_STAGING_BYTES)");
   const int n_slots = g.num_slots();
   const plan::RsPipeline pipe = plan::rs_pipeline(
-      layout, {static_cast<int64_t>(piece), n_slots, static_cast<int64_t>(ges)});
+      layout, {static_cast<int64_t>(piece), n_slots, static_cast<int64_t>(ges), kAccumulateAlign});
 
   StagingReport report;
   report.slot_bytes = g.slot_bytes();

@@ -1,0 +1,26 @@
+// What the benchmark's TIDE-RS phase-2 run launches, from the planner (C++20, compiled apart:
+// nvcc builds the benchmark itself as C++17). Plain data only.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace tide::bench {
+
+struct Phase2Launch {
+  int64_t staging_offset;  // elements into each source's slot
+  int64_t out_offset;      // elements into the fp32 output (FSDP2's reduce_output layout)
+  int64_t count;
+};
+struct Phase2Plan {
+  int ranks = 0;            // staged sources per launch
+  int64_t piece_elems = 0;  // each source's slot, bf16 elements
+  int64_t out_numel = 0;
+  std::vector<Phase2Launch> launches;  // destination 0's pieces, in pipeline order
+};
+
+// A Llama-3.1-8B block's nine bf16 parameters at 8 ranks, TIDE-RS's pipeline as the CUDA
+// executor plans it (a piece of 32 MiB / 2 slots / 8 ranks), parts aligned to align_bytes
+// in staging (0: back to back).
+Phase2Plan llama_block_phase2(int64_t align_bytes);
+
+}  // namespace tide::bench
