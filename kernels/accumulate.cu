@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
+#include "../src/core/env.hpp"
 #include "tide/cuda/kernels.hpp"
 
 namespace tide::cuda {
@@ -98,7 +98,9 @@ int device_sms() {
 int accumulate_threads() { return 512; }
 
 int accumulate_ctas() {
-  if (const char* v = std::getenv("TIDE_RS_CTAS"); v && *v) return std::max(1, std::atoi(v));
+  // A malformed TIDE_RS_CTAS throws; an out-of-range one is the caller's to refuse
+  // (CudaGroup: 1..1024), not silently mended here.
+  if (const int64_t v = env::get_int("TIDE_RS_CTAS", -1); v != -1) return static_cast<int>(v);
   return std::max(4, device_sms() / 8);
 }
 

@@ -139,14 +139,14 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "bench: copy %.0f GB/s, accumulate best %.0f GB/s (%d CTAs, %.0f%%), at %d CTAs %.0f GB/s\n",
                hbm_copy_GBps, best_acc, best_ctas, 100 * best_acc / hbm_copy_GBps, rs_ctas, acc_at_rs_ctas);
 
-  // (a2) Phase 2 as the executors launch it: a Llama-3.1-8B block's nine bf16 gradients at 8
-  // ranks, the pipeline planned as the CUDA TIDE-RS plans it (a piece of 32 MiB / 2 slots / 8
-  // ranks per destination, parts 16-byte aligned), destination 0's pieces reduced from 8
-  // staged sources (one GPU: the ranks' slots are 8 buffers) into an fp32 output laid out as
-  // FSDP2's reduce_output. Reported: the fraction of source bytes read with vector loads
-  // (accumulate_reads), also for a plan without the alignment, and the bandwidth.
+  // (a2) Phase 2 as the executors launch it: a Qwen2-7B block's bf16 gradients at 6 ranks
+  // (benchmarks/gpu/phase2_plan.cpp), destination 0's pieces reduced from 6 staged sources
+  // (one GPU: the ranks' slots are 6 buffers) into an fp32 output laid out as FSDP2's
+  // reduce_output. Reported: the fraction of source bytes read with vector loads
+  // (accumulate_reads) with the CUDA executors' 16-byte-aligned plan and with a plan
+  // without the alignment, and the bandwidth of each.
   auto phase2 = [&](int64_t align, double* gbps) {
-    const tide::bench::Phase2Plan plan = tide::bench::llama_block_phase2(align);
+    const tide::bench::Phase2Plan plan = tide::bench::qwen2_block_phase2(align);
     std::vector<__nv_bfloat16*> slots(size_t(plan.ranks));
     for (int r = 0; r < plan.ranks; ++r) slots[size_t(r)] = bf16_buf(size_t(plan.piece_elems), 31u * (r + 1));
     float* out = nullptr;
@@ -177,7 +177,7 @@ int main(int argc, char** argv) {
   double phase2_GBps = 0, phase2_unaligned_GBps = 0;
   const double phase2_vectorized = phase2(tide::cuda::kAccumulateAlign, &phase2_GBps);
   const double phase2_vectorized_unaligned = phase2(0, &phase2_unaligned_GBps);
-  std::fprintf(stderr, "bench: phase 2 of a Llama-3.1-8B block at 8 ranks: %.0f%% of source bytes vectorized, %.0f GB/s "
+  std::fprintf(stderr, "bench: phase 2 of a Qwen2-7B block at 6 ranks: %.0f%% of source bytes vectorized, %.0f GB/s "
                "(plan without alignment: %.0f%%, %.0f GB/s)\n", 100 * phase2_vectorized, phase2_GBps,
                100 * phase2_vectorized_unaligned, phase2_unaligned_GBps);
 

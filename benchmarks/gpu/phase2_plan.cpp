@@ -4,12 +4,13 @@
 
 namespace tide::bench {
 
-Phase2Plan llama_block_phase2(int64_t align_bytes) {
+Phase2Plan qwen2_block_phase2(int64_t align_bytes) {
   Phase2Plan out;
-  out.ranks = 8;
+  out.ranks = 6;
   const std::vector<plan::Param> block = {
-      {{4096, 4096}, 2, 0},  {{1024, 4096}, 2, 0},  {{1024, 4096}, 2, 0}, {{4096, 4096}, 2, 0},
-      {{14336, 4096}, 2, 0}, {{14336, 4096}, 2, 0}, {{4096, 14336}, 2, 0}, {{4096}, 2, 0}, {{4096}, 2, 0}};
+      {{3584, 3584}, 2, 0},  {{3584}, 2, 0}, {{512, 3584}, 2, 0},   {{512}, 2, 0},
+      {{512, 3584}, 2, 0},   {{512}, 2, 0},  {{3584, 3584}, 2, 0},  {{18944, 3584}, 2, 0},
+      {{18944, 3584}, 2, 0}, {{3584, 18944}, 2, 0}, {{3584}, 2, 0}, {{3584}, 2, 0}};
   const plan::GroupLayout layout = plan::plan_group(block, out.ranks);
   const int64_t piece = (int64_t{32} << 20) / 2 / out.ranks / 256 * 256;
   const plan::RsPipeline pipe = plan::rs_pipeline(layout, {piece, 2, 2, align_bytes});

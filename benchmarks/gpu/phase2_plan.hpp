@@ -18,9 +18,10 @@ struct Phase2Plan {
   std::vector<Phase2Launch> launches;  // destination 0's pieces, in pipeline order
 };
 
-// A Llama-3.1-8B block's nine bf16 parameters at 8 ranks, TIDE-RS's pipeline as the CUDA
-// executor plans it (a piece of 32 MiB / 2 slots / 8 ranks), parts aligned to align_bytes
-// in staging (0: back to back).
-Phase2Plan llama_block_phase2(int64_t align_bytes);
+// A Qwen2-7B block's twelve bf16 parameters (its q/k/v biases make the padded shards of
+// the later parameters start off 16-byte boundaries) at 6 ranks, TIDE-RS's pipeline as the
+// CUDA executor plans it (a piece of 32 MiB / 2 slots / 6 ranks), parts aligned to
+// align_bytes in staging (0: back to back, as in the flat output).
+Phase2Plan qwen2_block_phase2(int64_t align_bytes);
 
 }  // namespace tide::bench

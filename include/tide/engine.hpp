@@ -41,6 +41,11 @@ class Engine {
   virtual void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
                      std::shared_ptr<const void> keep_alive = nullptr) = 0;
   virtual void finish() = 0;
+  // After a failure with exchanges still in flight (the collective threw between start()
+  // and finish()): forgets them, keeping their buffers for the engine's life, so that the
+  // next collective's finish() never pairs with a stale exchange. Engines that keep nothing
+  // in flight have nothing to do.
+  virtual void abandon() {}
   void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
                 std::shared_ptr<const void> keep_alive = nullptr) {
     start(sends, recvs, std::move(keep_alive));
@@ -97,8 +102,10 @@ class NodeScheduleCache {
                                          int64_t pace_elems, int rank);
 
  private:
-  struct Key {
+  struct Key {  // the hash, and what a hash collision would have to match too
     uint64_t layout_hash;
+    size_t params;
+    int64_t numel;
     int world_size, local_size, rank;
     int64_t pace_elems;
     auto operator<=>(const Key&) const = default;

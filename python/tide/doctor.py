@@ -81,8 +81,9 @@ def report() -> dict:
             paths["cuda"] = "stock FSDP2 over NCCL (FSDP2's seams not taken)"
         elif caps["allgather_path"] == "copy engines":
             paths["cuda"] = {
-                "all_gather": f"TIDE-AG on copy engines, no kernel ({caps['allgather_reason']}); "
-                              "across nodes: NCCL send/recv between them",
+                "all_gather": f"TIDE-AG on copy engines ({caps['allgather_reason']}): no kernel at "
+                              "equal dtypes, one cast kernel per parameter where the storage dtype "
+                              "differs; across nodes: NCCL send/recv between them",
                 "reduce_scatter": "TIDE-RS: copy-engine staging + few-CTA fp32 accumulation; across "
                                   "nodes: fp32 partials over NCCL",
             }

@@ -37,7 +37,21 @@ void copy_block(NodePeers& peers, std::byte* dst, At dst_at, const std::byte* sr
 
 }  // namespace
 
+namespace {
+uint64_t run_node_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& peers);
+}
+
 uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& peers) {
+  try {
+    return run_node_all_gather(a, engine, peers);
+  } catch (...) {
+    engine.abandon();  // rounds may be in flight
+    throw;
+  }
+}
+
+namespace {
+uint64_t run_node_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& peers) {
   const plan::NodeAllGatherSchedule& s = *a.schedule;
   const plan::Topology& topo = s.topology;
   const int me = a.rank;
@@ -144,11 +158,15 @@ uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers
   peers.barrier();
   return reached(steps - 1);
 }
+}  // namespace
 
 const plan::NodeAllGatherSchedule& NodeScheduleCache::get(const plan::GroupLayout& layout,
                                                           const plan::Topology& topology, int64_t pace_elems,
                                                           int rank) {
-  const Key key{plan::layout_hash(layout), topology.world_size, topology.local_size, rank, pace_elems};
+  int64_t numel = 0;
+  for (const plan::ParamLayout& p : layout.params) numel += p.numel;
+  const Key key{plan::layout_hash(layout), layout.params.size(), numel, topology.world_size, topology.local_size, rank,
+                pace_elems};
   auto it = schedules_.find(key);
   if (it == schedules_.end()) {
     plan::NodeAllGatherSchedule all = plan::node_allgather_schedule(layout, topology, pace_elems);

@@ -24,7 +24,21 @@
 
 namespace tide::algo {
 
+namespace {
+StagingReport run_node_reduce_scatter(Ctx& c, const ParamReduceScatter& a);
+}
+
 StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
+  try {
+    return run_node_reduce_scatter(c, a);
+  } catch (...) {
+    a.nodes->engine->abandon();  // a window's partials may be in flight
+    throw;
+  }
+}
+
+namespace {
+StagingReport run_node_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   Transport& t = c.t;
   const plan::Topology& topo = *a.nodes->topology;
   Engine& engine = *a.nodes->engine;
@@ -66,7 +80,7 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   // phase runs. Per window, partials[j]: this node's partial for my rail's rank on node j;
   // received[j]: node j's partial of my own shard (j != my_node).
   // A partial holds one destination's part of a window: at most a piece, less for small groups
-  // (sized to the widest window, not zero-filled: every element read was summed into first).
+  // (sized to the widest window).
   const size_t part_bytes = static_cast<size_t>(pipe.widest_window()) * pes;
   struct Window {
     std::shared_ptr<std::byte[]> partials, received;  // kept alive by the engine while in flight
@@ -75,8 +89,8 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   std::array<Window, 2> windows;
   const size_t windows_in_flight = std::min<size_t>(2, pipe.chunks.size());
   for (size_t i = 0; i < windows_in_flight; ++i) {
-    windows[i].partials.reset(new std::byte[static_cast<size_t>(N) * part_bytes]);
-    windows[i].received.reset(new std::byte[static_cast<size_t>(N) * part_bytes]);
+    windows[i].partials.reset(new std::byte[static_cast<size_t>(N) * part_bytes]());  // no stale bytes in the
+    windows[i].received.reset(new std::byte[static_cast<size_t>(N) * part_bytes]());  // gaps that are sent
   }
   report.partial_bytes = windows_in_flight * 2 * static_cast<size_t>(N) * part_bytes;
 
@@ -161,5 +175,7 @@ StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
       if (r != lme) t.wait(r, Flag::done(), c.step);
   return report;
 }
+
+}  // namespace
 
 }  // namespace tide::algo

@@ -42,4 +42,9 @@ void GlooEngine::finish() {
   }
 }
 
+void GlooEngine::abandon() {
+  for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
+  in_flight_.clear();
+}
+
 }  // namespace tide::torch_backend

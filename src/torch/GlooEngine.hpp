@@ -18,6 +18,7 @@ class GlooEngine final : public tide::Engine {
   void start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
              std::shared_ptr<const void> keep_alive) override;
   void finish() override;
+  void abandon() override;
   int64_t bytes_sent() const { return bytes_sent_; }
 
  private:

@@ -838,9 +838,9 @@ int64_t ProcessGroupTide::inter_node_bytes_sent() const {
   return bytes;
 }
 
-void ProcessGroupTide::require_one_node(const char* op) const {
+void ProcessGroupTide::require_host_comm(const char* op) const {
   TORCH_CHECK(comm_ || node_comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
-              " nodes and ", why_not_across_nodes());
+              " nodes and its nodes are not equal blocks of consecutive ranks (", topology_error_, ")");
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<at::Tensor>& tensors,
@@ -934,7 +934,7 @@ std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size
     node_buffers_.push_back(*result);
     return *result;
   }
-  require_one_node("allocate_symmetric");
+  require_host_comm("allocate_symmetric");
   if (device >= 0) {
 #ifdef TIDE_WITH_CUDA
     return cuda_path().allocate_symmetric(bytes, device);

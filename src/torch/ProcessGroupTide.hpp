@@ -182,7 +182,8 @@ class ProcessGroupTide : public c10d::Backend {
   // The backend that runs a standard op on `tensors` instead of the host transport: NCCL
   // for CUDA tensors, gloo on a group of several nodes; null: the host transport runs it.
   c10::intrusive_ptr<c10d::Backend> delegate(const std::vector<at::Tensor>& tensors, const char* op) const;
-  void require_one_node(const char* op) const;
+  // Throws unless the group has a host communicator: one node's, or this rank's node's.
+  void require_host_comm(const char* op) const;
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);

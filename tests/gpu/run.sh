@@ -24,6 +24,7 @@ cd "$root"
 dry=0
 if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
 part=${1:-all}
+case "$part" in 1 | 2 | all) ;; *) echo "tests/gpu/run.sh: unknown part '$part' (1, 2 or all)" >&2; exit 2 ;; esac
 strict=${TIDE_GPU_STRICT:-1}
 carry=build/gpu-carry
 torch_build=build/gpu-torch
@@ -37,11 +38,12 @@ cublas=$(python3 -c "import nvidia.cublas as m, os; print(os.path.join(list(m.__
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64${cublas:+:$cublas}
 
 names=(); verdicts=(); planned=0
+grace=10  # seconds a step gets after its limit to end before it is killed
 # step NAME LIMIT_S COMMAND...: runs COMMAND (a shell function or program) with a time limit,
 # its output to the console and to $out/<NAME>.log, and records PASS / FAIL / SKIP.
 step() {
   local name=$1 limit=$2; shift 2
-  planned=$(( planned + limit ))
+  planned=$(( planned + limit + grace ))
   if [ "$dry" = 1 ]; then
     printf '  %-30s %4d s   %s\n' "$name" "$limit" "$*"
     return
@@ -49,14 +51,17 @@ step() {
   echo "== $name (limit ${limit} s): $*"
   local log="$out/${name// /_}.log" start rc verdict
   start=$(date +%s)
-  # A new bash runs the step, so shell functions work under timeout (they are exported).
-  timeout -k 10 "$limit" bash -c '"$@"' step "$@" > >(tee "$log") 2>&1
-  rc=$?
+  # A new bash runs the step, so shell functions work under timeout (they are exported);
+  # the pipe ends only when tee has written the whole log, which the verdict reads.
+  timeout -k "$grace" "$limit" bash -c '"$@"' step "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
   verdict=PASS
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then verdict="FAIL (killed at its ${limit} s limit)"
   elif [ "$rc" = 77 ]; then verdict="SKIP ($(tail -n 1 "$log"))"
   elif [ "$rc" != 0 ]; then verdict="FAIL (exit $rc: $( (grep -m1 '^FAIL' "$log" || tail -n 1 "$log") | cut -c1-160))"
   elif grep -q '^\[  SKIPPED \]' "$log"; then verdict="SKIP ($(grep -c '^\[  SKIPPED \]' "$log") GoogleTest tests skipped)"
+  elif grep -Eq '^[0-9]+ (passed|failed).*[0-9]+ skipped|^[0-9]+ skipped' "$log"; then
+    verdict="SKIP (pytest: $(grep -E '[0-9]+ skipped' "$log" | tail -n 1))"
   fi
   if [ "$strict" = 1 ] && [ "${verdict#SKIP}" != "$verdict" ]; then verdict="FAIL (strict: $verdict)"; fi
   echo "== $name: $verdict in $(( $(date +%s) - start )) s"
@@ -91,7 +96,7 @@ gpu_pytest() {
 }
 
 export -f need selftest ipc_selftest gtests bench build_torch_extension doctor gpu_pytest
-export carry torch_build out strict
+export carry torch_build out strict grace
 
 if [ "$dry" = 1 ]; then
   echo "tests/gpu/run.sh: the plan (nothing runs). Strict: $strict. CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
@@ -104,19 +109,19 @@ fi
 if [ "$part" = 1 ] || [ "$part" = all ]; then
   [ "$dry" = 1 ] && echo "command 1: tests/gpu/run.sh 1  (device tool: carry [\"$carry\"], timeout_s 480)"
   before=$planned
-  step "cuda scenarios ws 1 2 4" 200 selftest "${strict_flag[@]}" --limit 30 1 2 4
-  step "cuda scenarios ipc ws 2" 60 ipc_selftest "${strict_flag[@]}" --limit 30 2
-  step "gtest probe and kernels" 60 gtests --gtest_filter=-All/CudaCollectives.*
-  step "benchmarks" 120 bench
-  [ "$dry" = 1 ] && echo "  sum of limits, command 1: $(( planned - before )) s"
+  step "cuda scenarios ws 1 2 4" 180 selftest "${strict_flag[@]}" --limit 30 1 2 4
+  step "cuda scenarios ipc ws 2" 50 ipc_selftest "${strict_flag[@]}" --limit 30 2
+  step "gtest probe and kernels" 50 gtests --gtest_filter=-All/CudaCollectives.*
+  step "benchmarks" 110 bench
+  [ "$dry" = 1 ] && echo "  sum of limits, command 1: $(( planned - before )) s (with ${grace} s grace a step)"
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
   [ "$dry" = 1 ] && echo "command 2: tests/gpu/run.sh 2  (device tool: timeout_s 480; tide._C is built there)"
   before=$planned
-  step "build tide._C" 180 build_torch_extension
-  step "doctor" 30 doctor
-  step "pytest cuda" 220 gpu_pytest
-  [ "$dry" = 1 ] && echo "  sum of limits, command 2: $(( planned - before )) s"
+  step "build tide._C" 170 build_torch_extension
+  step "doctor" 20 doctor
+  step "pytest cuda" 200 gpu_pytest
+  [ "$dry" = 1 ] && echo "  sum of limits, command 2: $(( planned - before )) s (with ${grace} s grace a step)"
 fi
 if [ "$dry" = 1 ]; then
   echo "sum of all limits: $planned s (each command under its 480 s device timeout; 15 min of device time in all)"

@@ -4,7 +4,8 @@
 // (default 30), so one hang costs S, not the whole run. Prints PASS / FAIL per scenario and
 // world size. Without a usable device it says why (the device-count child's own exit and
 // output: a driver/runtime mismatch is not "no GPU") and lists every check it could not
-// run; that is exit 0 ("SKIP"), or, with --strict (what tests/gpu/run.sh uses), exit 1.
+// run; that is exit 77 ("SKIP"), or, with --strict (what tests/gpu/run.sh uses), exit 1.
+// An unknown --only name is exit 2.
 #include <cstdio>
 #include <cstdlib>
 #include <set>
@@ -37,7 +38,11 @@ int main(int argc, char** argv) {
   if (sizes.empty()) sizes = {1, 2, 4};
   std::vector<std::string> names;
   for (const std::string& n : tide::cudatest::scenario_names())
-    if (only.empty() || only.count(n)) names.push_back(n);
+    if (only.empty() || only.erase(n)) names.push_back(n);
+  if (!only.empty()) {  // a misspelt check must not pass by running nothing
+    std::printf("FAIL: unknown scenario %s\n", only.begin()->c_str());
+    return 2;
+  }
   const std::vector<std::string> none;
   const auto seconds = std::chrono::seconds(limit);
 
@@ -49,7 +54,7 @@ int main(int argc, char** argv) {
       for (int ws : sizes)
         for (const std::string& n : names) std::printf(", %s ws=%d", n.c_str(), ws);
     std::printf("\n");
-    return strict ? 1 : 0;
+    return strict ? 1 : 77;
   }
   int failed = 0, passed = 0;
   auto probe = tide::cudatest::run_ranks("probe", 1, none, seconds);

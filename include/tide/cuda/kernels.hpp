@@ -31,7 +31,7 @@ cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DTy
                                   cudaStream_t stream);
 
 // The accumulation's provisioning on the current device: CTAs enough to stream HBM (one
-// per 8 SMs, at least 4: 17 on an H200's 132 SMs) of accumulate_threads() threads, few
+// per 8 SMs, at least 4: 16 on an H200's 132 SMs) of accumulate_threads() threads, few
 // enough to leave the SMs to compute. TIDE_RS_CTAS overrides the CTA count.
 int accumulate_ctas();
 int accumulate_threads();

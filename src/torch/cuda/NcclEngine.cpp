@@ -74,6 +74,11 @@ void NcclEngine::finish() {
   }
 }
 
+void NcclEngine::abandon() {
+  for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
+  in_flight_.clear();
+}
+
 bool NcclEngine::one_sided_available() {
   for (const char* symbol : {"ncclPutSignal", "ncclWaitSignal", "ncclCommWindowRegister"})
     if (!dlsym(RTLD_DEFAULT, symbol)) return false;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -66,7 +67,8 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   // set) multiplexes the process's streams onto that many hardware queues: a stream waiting
   // for a peer's flag (cuStreamWaitValue32) then holds back the compute or NCCL work queued
   // behind it on the same queue, a stall at best and, with NCCL across nodes, a cycle.
-  if (const int64_t queues = env::get_int("CUDA_DEVICE_MAX_CONNECTIONS", 8); queues < 8) {
+  const char* connections = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");  // CUDA's, not ours: never throw on it
+  if (const long queues = connections && *connections ? std::strtol(connections, nullptr, 10) : 8; queues < 8) {
     static std::once_flag warned;
     std::call_once(warned, [&] {
       std::fprintf(stderr,

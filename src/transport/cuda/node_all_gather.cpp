@@ -43,7 +43,10 @@ class CudaNodePeers final : public NodePeers {
       if (r != g_.rank()) g_.wait(s_, r, CudaGroup::kAgDone, done);
   }
   void copy(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) override {
-    TIDE_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, s_));
+    if (rows == 1)  // no pitch limit (cudaMemcpy2D's widths stop at cudaDevAttrMaxPitch)
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(dst, src, width, cudaMemcpyDefault, s_));
+    else
+      TIDE_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, cudaMemcpyDefault, s_));
   }
   std::shared_ptr<std::byte> scratch(size_t bytes) override {
     void* p = nullptr;

@@ -28,8 +28,24 @@
 
 namespace tide::cuda {
 
+namespace {
+StagingReport run(CudaGroup& g, const ParamReduceScatter& a, const plan::Topology& topo, int rank, Engine& engine,
+                  cudaStream_t stream);
+}
+
 StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceScatter& a, const plan::Topology& topo,
                                                 int rank, Engine& engine, cudaStream_t stream) {
+  try {
+    return run(g, a, topo, rank, engine, stream);
+  } catch (...) {
+    engine.abandon();  // a window's partials may be in flight
+    throw;
+  }
+}
+
+namespace {
+StagingReport run(CudaGroup& g, const ParamReduceScatter& a, const plan::Topology& topo, int rank, Engine& engine,
+                  cudaStream_t stream) {
   const int me = rank, lme = g.rank(), L = topo.local_size, N = topo.num_nodes, ws = topo.world_size;
   const int my_node = topo.node_of(me);
   TIDE_CHECK(a.layout, "tide: cuda: param_reduce_scatter on rank ", me, ": no layout");
@@ -61,7 +77,8 @@ StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceS
   report.num_slots = pipe.num_slots;
   const detail::RsSlots slots(g, a, g.current(CudaGroup::kRsReady) + 1, report);
   // One destination's part of a window in fp32: at most a piece, less for small groups.
-  const size_t part_bytes = static_cast<size_t>(pipe.widest_window()) * sizeof(float);
+  // 256-byte multiples: every partial starts aligned, for the accumulation's vector path.
+  const size_t part_bytes = (static_cast<size_t>(pipe.widest_window()) * sizeof(float) + 255) / 256 * 256;
   report.partial_bytes = std::min<size_t>(2, pipe.chunks.size()) * 2 * static_cast<size_t>(N) * part_bytes;
 
   cudaStream_t cs = g.copy_stream(), ks = g.compute_stream();
@@ -176,5 +193,7 @@ StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceS
   g.end(stream, {cs, ks});
   return report;
 }
+
+}  // namespace
 
 }  // namespace tide::cuda
