@@ -47,11 +47,15 @@ test:
 	$(MAKE) --no-print-directory test-compat || rc=1; \
 	exit $$rc
 
-demo: build
-	@$(ENV) python -m tide.demo
+# The demo builds quietly (no progress lines, only errors) and writes its PNG to DEMO_PLOT.
+DEMO_PLOT ?= build/tide_demo.png
+demo:
+	@echo "building tide (a few minutes the first time)"
+	@$(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS) -- --quiet'
+	@$(ENV) python -m tide.demo --plot $(DEMO_PLOT)
 
 bench: build
-	@$(ENV) python benchmarks/collectives.py
+	@$(ENV) python benchmarks/collectives.py --plot build/collectives.png
 
 clean:
 	rm -rf build python/tide/_C*.so

@@ -7,6 +7,7 @@ Sizes are per rank: the all-gather input, the reduce-scatter output. As in nccl-
 and busbw = algbw * (n - 1) / n.
 
     scripts/env python benchmarks/collectives.py [--world-sizes 2 4] [--max-bytes 256M]
+        [--json rows.json] [--plot bandwidth.png]
 """
 from __future__ import annotations
 
@@ -148,14 +149,47 @@ def print_table(ws, rows, memcpy):
                   f"{speedup:>8.2f}x {cells[0][1] / memcpy:>10.2f}x")
 
 
+def write_plot(results, memcpy, machine_line, path):
+    """Bus bandwidth against size, one panel per collective, tide and gloo at each world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=True)
+    for ax, op in zip(axes, ("all_gather", "reduce_scatter")):
+        for ws, rows in results.items():
+            for impl, style in (("tide", "-o"), ("gloo", "--s")):
+                pts = sorted((r["size"], r["size"] / r["time_s"] / 1e9 * (ws - 1) / ws)
+                             for r in rows if r["op"] == op and r["impl"] == impl)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, markersize=3,
+                        label=f"{impl}, {ws} ranks")
+        ax.axhline(memcpy, color="gray", linewidth=0.8, linestyle=":", label="1-thread memcpy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes: all-gather output / reduce-scatter input)")
+        ax.set_title(f"{op} (float32)")
+        ax.grid(True, which="major", linewidth=0.3)
+    axes[0].set_ylabel("bus bandwidth (GB/s)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(machine_line, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--min-bytes", default="4K")
     ap.add_argument("--max-bytes", default="256M")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--plot", help="also write a bandwidth-vs-size PNG here")
     args = ap.parse_args(argv)
     sizes = list(sizes_between(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)))
+    from tide.machine import describe, line
+
+    machine = describe()
+    print(f"# {line(machine)}")
     memcpy = memcpy_gbps()
     results = {}
     for ws in args.world_sizes:
@@ -164,7 +198,10 @@ def main(argv=None):
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"memcpy_GBps": memcpy, "results": results}, f, indent=1)
+            json.dump({"machine": machine, "memcpy_GBps": memcpy, "results": results}, f, indent=1)
+    if args.plot:
+        write_plot(results, memcpy, line(machine), args.plot)
+        print(f"# plot: {os.path.abspath(args.plot)}")
     return 0
 
 

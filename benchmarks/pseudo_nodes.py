@@ -133,12 +133,13 @@ def main(argv=None):
     ap.add_argument("--numel", default="4M", help="elements of the collectives' group (K/M suffix)")
     ap.add_argument("--no-fsdp", action="store_true", help="the collectives only")
     args = ap.parse_args(argv)
-    import torch
-
     from collectives import parse_bytes
 
-    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    from tide.machine import describe, line
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no USDT line at each profiler start/stop
+    machine = describe()
+    print(line(machine))
     for topo in args.topologies:
         nodes, local = (int(x) for x in topo.split("x"))
         ws = nodes * local
@@ -150,8 +151,10 @@ def main(argv=None):
         if args.no_fsdp:
             continue
         print(f"FSDP2: {args.steps} steps, batch {args.batch} x {args.seq} tokens per rank", flush=True)
-        results = {run.label: demo.run_one(run, ws, args.steps, args.batch, args.seq) for run in demo.RUNS}
-        demo.print_table(results, args.steps)
+        # The model of the tests (LlamaConfig's defaults), not the demo's wider one.
+        results = {run.label: demo.run_one(run, ws, args.steps, args.batch, args.seq, model={})
+                   for run in demo.RUNS}
+        demo.print_table(results, machine)
     return 0
 
 
