@@ -173,6 +173,7 @@ def write_plot(results, memcpy, machine_line, path):
     axes[0].legend(fontsize=8)
     fig.suptitle(machine_line, fontsize=7)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

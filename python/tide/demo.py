@@ -10,10 +10,13 @@ Where the time goes, from the profiler of every step on every rank:
 - layout copies: FSDP2's copies around its collectives (`fsdp::all_gather_copy_in`,
   `fsdp::split_with_sizes_copy`, `fsdp::chunk_cat*`), the copies TIDE removes;
 - communication: time inside FSDP2's collective seams (`FSDP::all_gather`,
-  `FSDP::all_gather_copy_out`, `FSDP::post_backward_reduce`) less the layout copies in them,
-  split into waiting for a slower peer (how much later than this rank the last rank entered
-  the same all-gather or reduce-scatter, at most the time this rank spent in it: the clocks
-  of the ranks' processes on one host agree) and the rest, the exposed communication;
+  `FSDP::all_gather_copy_out`, `FSDP::post_backward_reduce`) less the layout copies in them:
+  the collectives and the seams' own small work (stock: allocating the reduce-scatter input,
+  the gradient division and cast; tide: its staging). It is split into waiting for a slower
+  peer (how much later than this rank the last rank arrived at the same all-gather or
+  reduce-scatter, after its layout copies, at most the time this rank spent in it: the
+  clocks of the ranks' processes on one host agree) and the rest, the exposed
+  communication;
 - optimizer: `Optimizer.step` and `Optimizer.zero_grad`;
 - compute: the rest of the step (forward, backward, FSDP2's bookkeeping).
 """
@@ -44,7 +47,7 @@ RUNS = [
 ]
 # The model: wide enough that communication is a visible share of a step on 2 cores at
 # this batch (46 MB of fp32 parameters against 2 x 64 tokens per rank), small enough that
-# the three runs take about two minutes there.
+# the three runs take about a minute there (two where bf16 is emulated).
 MODEL = dict(dim=512, ffn_dim=1365, n_layers=4, n_heads=8, n_kv_heads=2)
 COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat",
             "fsdp::chunk_cat_mixed_dtype")
@@ -60,10 +63,13 @@ def _base(name: str) -> str:
 
 
 def step_record(events, trace_start_ns: int) -> dict:
-    """One rank's step from its profiler events: layout-copy and optimizer time (ms) and
-    each collective seam as (kind, start ns since the epoch, ms less the copies in it)."""
+    """One rank's step from its profiler events (`trace_start_ns`: the profile's start in
+    the system clock, kineto_results.trace_start_ns(); event times are relative to it):
+    layout-copy and optimizer time (ms) and each collective seam as (kind, FSDP2's range
+    name, arrival in ns since the epoch, ms less the copies in it). The arrival is the end
+    of the seam's last layout copy (FSDP2 copies in before it communicates), or its start."""
     copies_ms = optimizer_ms = 0.0
-    seams, inner_copies = [], {}
+    inner = {}  # seam event id -> [copy ms, end of its last copy (us)]
     for ev in events:
         name = _base(ev.name)
         if name in COPY_OPS:
@@ -72,29 +78,35 @@ def step_record(events, trace_start_ns: int) -> dict:
             while parent is not None and _base(parent.name) not in SEAMS:
                 parent = parent.cpu_parent
             if parent is not None:
-                inner_copies[id(parent)] = inner_copies.get(id(parent), 0.0) + ev.cpu_time_total / 1e3
+                acc = inner.setdefault(id(parent), [0.0, 0.0])
+                acc[0] += ev.cpu_time_total / 1e3
+                acc[1] = max(acc[1], ev.time_range.end)
         elif name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")):
             optimizer_ms += ev.cpu_time_total / 1e3
+    seams = []
     for ev in events:
         if _base(ev.name) in SEAMS:
-            seams.append((SEAMS[_base(ev.name)], trace_start_ns + int(ev.time_range.start * 1e3),
-                          ev.cpu_time_total / 1e3 - inner_copies.get(id(ev), 0.0)))
-    seams.sort(key=lambda s: s[1])
+            copy_ms, copies_end = inner.get(id(ev), (0.0, 0.0))
+            arrival_us = max(ev.time_range.start, copies_end)
+            seams.append((SEAMS[_base(ev.name)], ev.name, trace_start_ns + int(arrival_us * 1e3),
+                          ev.cpu_time_total / 1e3 - copy_ms))
+    seams.sort(key=lambda s: s[2])
     return dict(copies_ms=copies_ms, optimizer_ms=optimizer_ms, seams=seams)
 
 
 def peer_wait_ms(records: list[dict]) -> list[float] | None:
     """Per rank, the time spent waiting for a slower peer in one step: for the i-th
-    all-gather / reduce-scatter of every rank, the last rank's entry minus this rank's,
-    within [0, this rank's time in it]. None where the ranks' seams do not pair up."""
+    all-gather / reduce-scatter of every rank, the last rank's arrival minus this rank's,
+    within [0, this rank's time in it]. None where the ranks' seams do not pair up (the
+    same FSDP2 ranges, module by module, in the same order)."""
     syncs = [[s for s in r["seams"] if s[0] in SYNCING] for r in records]
-    if len({tuple(k for k, _, _ in s) for s in syncs}) != 1:
+    if len({tuple(name for _, name, _, _ in s) for s in syncs}) != 1:
         return None
     waits = [0.0] * len(records)
     for i in range(len(syncs[0])):
-        latest = max(s[i][1] for s in syncs)
+        latest = max(s[i][2] for s in syncs)
         for r, s in enumerate(syncs):
-            waits[r] += min(max((latest - s[i][1]) / 1e6, 0.0), s[i][2])
+            waits[r] += min(max((latest - s[i][2]) / 1e6, 0.0), s[i][3])
     return waits
 
 
@@ -102,7 +114,7 @@ def breakdown(step_ms: list[float], records: list[dict]) -> dict:
     """A step's parts (ms, mean over ranks) that add up to its wall time."""
     waits = peer_wait_ms(records)
     n = len(records)
-    comm = sum(sum(ms for _, _, ms in r["seams"]) for r in records) / n
+    comm = sum(sum(s[3] for s in r["seams"]) for r in records) / n
     wait = sum(waits) / n if waits is not None else 0.0
     copies = sum(r["copies_ms"] for r in records) / n
     optimizer = sum(r["optimizer_ms"] for r in records) / n
@@ -133,6 +145,7 @@ def train(rank, ws, run: Run, steps: int, batch: int, seq: int, model_cfg: dict,
     try:
         import warnings
 
+        # torch 2.11 warns at the end of every profile that events are cleared per cycle.
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         import torch
         import torch.distributed as dist
@@ -170,9 +183,11 @@ def train(rank, ws, run: Run, steps: int, batch: int, seq: int, model_cfg: dict,
                 opt.zero_grad(set_to_none=True)
                 step_ms.append((time.perf_counter() - start) * 1e3)
             records.append(step_record(prof.events(), prof.profiler.kineto_results.trace_start_ns()))
-            avg = loss.detach().clone()
-            dist.all_reduce(avg)  # also lines the ranks up before the next step
-            losses.append(avg.item() / ws)
+            # Every rank's loss, averaged in rank order (not by the run's own all-reduce,
+            # whose order differs between backends); the gather also lines the ranks up.
+            step_losses = [None] * ws
+            dist.all_gather_object(step_losses, loss.item())
+            losses.append(sum(step_losses) / ws)
             if rank == 0:
                 print(f"  [{run.label}] step {step + 1}/{steps}  loss {losses[-1]:.4f}  "
                       f"{step_ms[-1]:.0f} ms", flush=True)
@@ -183,8 +198,9 @@ def train(rank, ws, run: Run, steps: int, batch: int, seq: int, model_cfg: dict,
         queue.put((rank, traceback.format_exc()))
 
 
-def run_one(run: Run, ws: int, steps: int, batch: int, seq: int, model: dict = MODEL) -> dict:
-    """Trains on ws spawned ranks; model: LlamaConfig's fields."""
+def run_one(run: Run, ws: int, steps: int, batch: int, seq: int, model: dict | None = None) -> dict:
+    """Trains on ws spawned ranks; model: LlamaConfig's fields (default: MODEL)."""
+    model = MODEL if model is None else model
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def bf16_matmul_ms(m=128, k=512, n=1536, reps=5) -> tuple[float, float]:
+def matmul_ms(m=128, k=512, n=1536, reps=5) -> tuple[float, float]:
     """Median single-thread time (ms) of an (m x k) @ (k x n) matmul in fp32 and in bf16."""
     import torch
 
@@ -61,7 +61,7 @@ def bf16_matmul_ms(m=128, k=512, n=1536, reps=5) -> tuple[float, float]:
 def describe() -> dict:
     import torch
 
-    fp32_ms, bf16_ms = bf16_matmul_ms()
+    fp32_ms, bf16_ms = matmul_ms()
     return dict(cpu=cpu_model(), capability=torch.backends.cpu.get_cpu_capability(),
                 cores=usable_cores(), torch=torch.__version__, fp32_matmul_ms=fp32_ms,
                 bf16_matmul_ms=bf16_ms, bf16_emulated=bf16_ms > EMULATED_BF16_SLOWDOWN * fp32_ms)
