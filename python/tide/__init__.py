@@ -42,7 +42,9 @@ def reduce_scatter_tensor_mixed(output, input, op=None, group=None, async_op=Fal
     """
     import torch.distributed as dist
 
-    return dist.reduce_scatter_tensor(
+    from ._backend import c10d_function
+
+    return c10d_function("reduce_scatter_tensor")(
         output, input, op=op if op is not None else dist.ReduceOp.SUM, group=group,
         async_op=async_op,
     )

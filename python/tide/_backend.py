@@ -62,3 +62,17 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )
+
+
+# torch 2.13 and 2.14 deprecate these two for the *_single functions they forward to
+# (2.15 no longer does): TIDE calls whichever the running torch does not warn about, so a
+# user never sees a warning for a call they did not write.
+_SINGLE = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+
+
+def c10d_function(name: str):
+    """dist.<name>, or its *_single successor where the running torch deprecates it."""
+    fn = getattr(dist, name)
+    if getattr(fn, "__deprecated__", None) and hasattr(dist, _SINGLE[name]):
+        return getattr(dist, _SINGLE[name])
+    return fn

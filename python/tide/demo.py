@@ -145,8 +145,11 @@ def train(rank, ws, run: Run, steps: int, batch: int, seq: int, model_cfg: dict,
     try:
         import warnings
 
-        # torch 2.11 warns at the end of every profile that events are cleared per cycle.
+        # torch 2.11 warns at the end of every profile that events are cleared per cycle;
+        # 2.13 warns that the model's output (logits, a view from the head's matmul) would
+        # lose FSDP2's hook under an in-place op, which the demo never applies to it.
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

@@ -101,6 +101,11 @@ class CudaGroup {
   cudaEvent_t phase1_event() const { return phase1_; }
   // Symmetric scratch of at least `bytes` on every rank (collective; same size everywhere).
   CudaSymmetricBuffer& scratch(size_t bytes);
+  // This rank's own short-lived buffers (packing, node partials), stream-ordered
+  // (cudaMallocFromPoolAsync / cudaFreeAsync): a pool of this group that keeps what it
+  // grew to, where the device's default pool (release threshold 0) gives memory back at
+  // every synchronization and maps it again at the next collective. Created at first use.
+  cudaMemPool_t transient_pool();
 
   // Epochs count in 64 bits; a flag word holds the low 32 and compares cyclically (as
   // cuStreamWaitValue32's GEQ does), so nothing breaks at 2^32 collectives.
@@ -156,6 +161,7 @@ class CudaGroup {
   size_t control_bytes_ = 0;
   bool control_registered_ = false;
   std::shared_ptr<CudaSymmetricBuffer> staging_, scratch_;
+  cudaMemPool_t transient_pool_ = nullptr;
   int num_slots_ = 2, rs_ctas_ = 8;
   size_t slot_bytes_ = 0, piece_bytes_ = 0;
   std::atomic<uint64_t> epoch_[kNumFlags] = {};  // read by abort() from another thread

@@ -587,14 +587,14 @@ def _as_c10d(group, backend, device, kind, stage):
     profiler and any TorchDispatchMode see FSDP2's collectives on a tide group as they do on
     NCCL or gloo: stage() keeps the checked call in the backend; the c10d call with
     zero-element tokens runs it. Returns its Work."""
-    import torch.distributed as dist
+    from .._backend import c10d_function
 
     out, inp = torch.empty(0, device=device), torch.empty(0, device=device)
     stage()
     try:
         if kind == "all_gather":
-            return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
-        return dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
+            return c10d_function("all_gather_into_tensor")(out, inp, group=group, async_op=True)
+        return c10d_function("reduce_scatter_tensor")(out, inp, group=group, async_op=True)
     finally:
         backend.unstage()  # nothing is left staged, even if the call failed before running it
 

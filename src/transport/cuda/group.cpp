@@ -213,6 +213,8 @@ CudaGroup::~CudaGroup() {
   scratch_.reset();
   staging_.reset();
   if (broken_) return;  // streams may still wait on the flags: leave them to process exit
+  // Allocations still outstanding keep their memory until freed (cudaMemPoolDestroy).
+  if (transient_pool_ && cudaMemPoolDestroy(transient_pool_) != cudaSuccess) (void)cudaGetLastError();
   if (control_registered_ && cudaHostUnregister(control_) != cudaSuccess) (void)cudaGetLastError();
   if (control_) ::munmap(control_, control_bytes_);
   for (cudaEvent_t e : {ev_in_, ev_out_[0], ev_out_[1], phase1_})
@@ -222,6 +224,19 @@ CudaGroup::~CudaGroup() {
   for (cudaStream_t st : {copy_, compute_})
     if (st) (void)cudaStreamDestroy(st);
   (void)cudaGetLastError();
+}
+
+cudaMemPool_t CudaGroup::transient_pool() {
+  if (!transient_pool_) {
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device_;
+    TIDE_CUDA_CHECK(cudaMemPoolCreate(&transient_pool_, &props));
+    uint64_t keep_all = UINT64_MAX;
+    TIDE_CUDA_CHECK(cudaMemPoolSetAttribute(transient_pool_, cudaMemPoolAttrReleaseThreshold, &keep_all));
+  }
+  return transient_pool_;
 }
 
 std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes) {

@@ -2,7 +2,8 @@
 // node_param_all_gather); here are its node side and its set-up on a GPU:
 //   - the node peers are this node's CudaGroup: peers' storages through the symmetric
 //     memory they lie in (the Slot-Reuse pool), progress in the group's node_ag flags,
-//     moves as cudaMemcpy2DAsync (copy engines), packing buffers from cudaMallocAsync,
+//     moves as cudaMemcpy2DAsync (copy engines), packing buffers from the group's
+//     transient pool (stream-ordered),
 //     the final barrier as ag_done flags: all enqueued on the group's copy stream;
 //   - the engine (NCCL) must be stream-ordered on that same stream: its exchanges start
 //     after the moves enqueued before them, and what is enqueued after waits for them.
@@ -50,7 +51,7 @@ class CudaNodePeers final : public NodePeers {
   }
   std::shared_ptr<std::byte> scratch(size_t bytes) override {
     void* p = nullptr;
-    TIDE_CUDA_CHECK(cudaMallocAsync(&p, std::max<size_t>(bytes, 1), s_));
+    TIDE_CUDA_CHECK(cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 1), g_.transient_pool(), s_));
     cudaStream_t s = s_;
     return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [s](std::byte* q) {
       if (cudaFreeAsync(q, s) != cudaSuccess) (void)cudaGetLastError();  // in stream order

@@ -88,7 +88,7 @@ StagingReport run(CudaGroup& g, const ParamReduceScatter& a, const plan::Topolog
   // Per window w: this node's partials for my rail's rank on every node, then the partials
   // of my own shard received from every node. Freed in stream order after the last reader.
   void* raw = nullptr;
-  if (report.partial_bytes) TIDE_CUDA_CHECK(cudaMallocAsync(&raw, report.partial_bytes, ks));
+  if (report.partial_bytes) TIDE_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, report.partial_bytes, g.transient_pool(), ks));
   const std::shared_ptr<std::byte> partial_memory(static_cast<std::byte*>(raw), [ks](std::byte* p) {
     if (p && cudaFreeAsync(p, ks) != cudaSuccess) (void)cudaGetLastError();
   });
