@@ -164,3 +164,20 @@ def test_demo_end_to_end(tmp_path):
     assert len(losses) == 2 and all(row[1] == row[2] for row in losses), losses  # stock == tide fp32
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {png}" in out
+
+
+def test_machine_line_says_bf16_is_emulated_where_onednn_is_held_to_avx2():
+    """The bf16 verdict is measured: with oneDNN and torch held to AVX2 (no bf16 matmul
+    instructions there) a bf16 matmul is emulated, many times slower than fp32."""
+    code = ("import json; from tide.machine import describe, line; d = describe(); "
+            "print(json.dumps(d)); print(line(d))")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=slack(60))
+    assert p.returncode == 0, p.stderr
+    import json
+
+    d = json.loads(p.stdout.splitlines()[0])
+    assert d["capability"] == "AVX2" and d["bf16_emulated"], d
+    assert d["bf16_matmul_ms"] > 3 * d["fp32_matmul_ms"], d
+    assert "bf16 matmul emulated" in p.stdout.splitlines()[1]
