@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tide/comm.hpp"
@@ -52,6 +53,10 @@ class Engine {
     finish();
   }
 };
+
+// The distinct peers of an exchange in ascending order, as "2, 6": engines name them when
+// an exchange fails.
+std::string peer_list(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs);
 
 class NodePeers {
  public:

@@ -44,8 +44,11 @@ uint64_t run_node_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& 
 uint64_t node_param_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& peers) {
   try {
     return run_node_all_gather(a, engine, peers);
+  } catch (const TimeoutError& e) {  // a peer failed: say in which collective
+    engine.abandon();                  // rounds may be in flight
+    throw TimeoutError(detail::concat("tide param_all_gather across nodes: rank ", a.rank, ": ", e.what()));
   } catch (...) {
-    engine.abandon();  // rounds may be in flight
+    engine.abandon();
     throw;
   }
 }

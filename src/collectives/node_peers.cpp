@@ -4,6 +4,7 @@
 // publish(): no sleep overshoots a peer's progress, which small collectives would pay at
 // every wait.
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include "../core/shared_counter.hpp"
@@ -38,8 +39,8 @@ class SymmetricNodePeers final : public NodePeers {
     for (;;) {
       if (p.sleep(target, nap)) return;
       if (std::chrono::steady_clock::now() - start >= timeout_)
-        throw TimeoutError(detail::concat("tide param_all_gather: rank ", me_, " timed out after ", timeout_.count(),
-                                          " ms waiting for rank ", rank, " (same node) to reach step ", value));
+        throw TimeoutError(detail::concat("timed out after ", timeout_.count(), " ms waiting for rank ", rank,
+                                          " (same node) to reach step ", value));
     }
   }
   void barrier() override { node_.barrier(); }
@@ -63,6 +64,15 @@ class SymmetricNodePeers final : public NodePeers {
 };
 
 }  // namespace
+
+std::string peer_list(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs) {
+  std::set<int> peers;
+  for (const EngineSend& s : sends) peers.insert(s.peer);
+  for (const EngineRecv& r : recvs) peers.insert(r.peer);
+  std::string out;
+  for (int p : peers) out += (out.empty() ? "" : ", ") + std::to_string(p);
+  return out;
+}
 
 void NodePeers::copy(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t rows) {
   for (size_t k = 0; k < rows; ++k)

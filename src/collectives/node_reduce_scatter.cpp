@@ -31,8 +31,11 @@ StagingReport run_node_reduce_scatter(Ctx& c, const ParamReduceScatter& a);
 StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& a) {
   try {
     return run_node_reduce_scatter(c, a);
+  } catch (const TimeoutError& e) {  // a peer failed: say in which collective
+    a.nodes->engine->abandon();        // a window's partials may be in flight
+    throw TimeoutError(detail::concat("tide param_reduce_scatter across nodes: rank ", a.nodes->rank, ": ", e.what()));
   } catch (...) {
-    a.nodes->engine->abandon();  // a window's partials may be in flight
+    a.nodes->engine->abandon();
     throw;
   }
 }

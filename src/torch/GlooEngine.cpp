@@ -19,6 +19,7 @@ void GlooEngine::start(std::span<const tide::EngineSend> sends, std::span<const 
   Exchange& exchange = in_flight_.emplace_back();
   exchange.keep_alive = std::move(keep_alive);
   std::vector<c10::intrusive_ptr<c10d::Work>>& works = exchange.works;
+  exchange.peers = tide::peer_list(sends, recvs);
   for (const tide::EngineSend& s : sends) {
     std::vector<at::Tensor> t{bytes(s.data, s.bytes)};
     works.push_back(gloo_->send(t, s.peer, kTag));
@@ -38,7 +39,8 @@ void GlooEngine::finish() {
     for (auto& w : exchange.works) w->wait(timeout_);
   } catch (const std::exception& e) {
     failed_.push_back(std::move(exchange));
-    throw tide::TimeoutError(detail::concat("tide inter-node exchange over gloo failed: ", e.what()));
+    throw tide::TimeoutError(detail::concat("inter-node exchange over gloo with ranks ", exchange.peers, " failed: ",
+                                            e.what()));
   }
 }
 

@@ -25,6 +25,7 @@ class GlooEngine final : public tide::Engine {
   struct Exchange {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::shared_ptr<const void> keep_alive;
+    std::string peers;  // for the error: "2, 6"
   };
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::deque<Exchange> in_flight_;  // per start(), oldest first

@@ -28,6 +28,7 @@ void NcclEngine::start(std::span<const tide::EngineSend> sends, std::span<const 
   Exchange& exchange = in_flight_.emplace_back();
   exchange.keep_alive = std::move(keep_alive);
   if (sends.empty() && recvs.empty()) return;
+  exchange.peers = tide::peer_list(sends, recvs);
   const auto dev = static_cast<c10::DeviceIndex>(device_);
   c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(stream_, dev));
   nccl_->startCoalescing();
@@ -70,7 +71,8 @@ void NcclEngine::finish() {
     exchange.work->wait();  // the bound stream waits for NCCL's (blocking only with TORCH_NCCL_BLOCKING_WAIT)
   } catch (const std::exception& e) {
     failed_.push_back(std::move(exchange));
-    throw tide::TimeoutError(detail::concat("tide inter-node exchange over nccl failed: ", e.what()));
+    throw tide::TimeoutError(detail::concat("inter-node exchange over nccl with ranks ", exchange.peers, " failed: ",
+                                            e.what()));
   }
 }
 

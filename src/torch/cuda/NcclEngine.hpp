@@ -35,6 +35,7 @@ class NcclEngine final : public tide::Engine {
   struct Exchange {
     c10::intrusive_ptr<c10d::Work> work;  // null: nothing to move
     std::shared_ptr<const void> keep_alive;
+    std::string peers;  // for the error: "2, 6"
   };
   c10::intrusive_ptr<c10d::Backend> nccl_;
   int device_;
