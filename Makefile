@@ -15,7 +15,7 @@ COMPAT_TORCH ?= 2.11.0
 # demo reads FSDP2's profiler ranges).
 COMPAT_SUITES := tests/python/test_backend_ops.py tests/python/test_backend_failures.py \
 	tests/python/test_fsdp_zero_copy.py tests/python/test_fsdp_install.py tests/python/test_fsdp_seams.py \
-	tests/python/test_pseudo_nodes.py tests/python/test_demo.py
+	tests/python/test_pseudo_nodes.py tests/python/test_hosts.py tests/python/test_demo.py
 CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null
 
 .PHONY: all build build-asan test test-cpp test-asan test-python test-compat demo bench clean

@@ -17,15 +17,21 @@
 
 namespace tide {
 
+// `symmetric`: the bytes lie at the same offset of the group's symmetric memory on the
+// sender and on the receiver (a contiguous block of a storage in the symmetric pool), set
+// alike on both sides of a message: an engine with one-sided puts may write them straight
+// there (include/tide/one_sided.hpp); two-sided engines ignore it.
 struct EngineSend {
   int peer = 0;  // a global rank on another node
   const void* data = nullptr;
   size_t bytes = 0;
+  bool symmetric = false;
 };
 struct EngineRecv {
   int peer = 0;
   void* data = nullptr;
   size_t bytes = 0;
+  bool symmetric = false;
 };
 
 class Engine {
@@ -93,6 +99,9 @@ struct NodeAllGather {
   std::span<void* const> storages;
   size_t storage_elem_size = 4;
   uint64_t progress_base = 0;
+  // Every rank's storage of a parameter lies at the same offset of its symmetric memory (the
+  // pool's blocks): contiguous blocks then travel as EngineSend::symmetric messages.
+  bool symmetric_storages = false;
 };
 uint64_t node_param_all_gather(const NodeAllGather& args, Engine& engine, NodePeers& peers);
 

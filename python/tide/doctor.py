@@ -26,6 +26,23 @@ def _nccl_version():
         return None
 
 
+def _nccl_one_sided():
+    """Whether the loaded NCCL has the one-sided calls TIDE-AG puts between nodes with (its
+    own dlsym lookup); whether a communicator supports them is known only on the nodes."""
+    got = _C.nccl_one_sided()
+    v = got["version"]
+    version = f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v else None
+    usable = bool(v) and v >= 22907 and not got["missing"]
+    if usable:
+        between = (f"NCCL {version}'s one-sided puts into registered windows where every rank's communicator "
+                   "has host RMA (TIDE_NCCL_ONE_SIDED), else NCCL send/recv")
+    else:
+        why = (f"NCCL {version} is older than 2.29.7" if v and v < 22907 else
+               f"NCCL {version} lacks {', '.join(got['missing'])}" if v else "no NCCL loaded")
+        between = f"NCCL send/recv ({why}: no one-sided puts)"
+    return {"version": version, "missing": got["missing"], "usable": usable, "between_nodes": between}
+
+
 def _dev_shm():
     try:
         st = os.statvfs("/dev/shm")
@@ -77,13 +94,14 @@ def report() -> dict:
     if _C.has_cuda:
         caps = _C.cuda_capabilities(max(gpus, 2))  # one GPU: ranks as processes sharing it
         r["cuda_probe"] = caps
+        r["nccl_one_sided"] = _nccl_one_sided()
         if not generation:
             paths["cuda"] = "stock FSDP2 over NCCL (FSDP2's seams not taken)"
         elif caps["allgather_path"] == "copy engines":
             paths["cuda"] = {
                 "all_gather": f"TIDE-AG on copy engines ({caps['allgather_reason']}): no kernel at "
                               "equal dtypes, one cast kernel per parameter where the storage dtype "
-                              "differs; across nodes: NCCL send/recv between them",
+                              "differs; across nodes: " + r["nccl_one_sided"]["between_nodes"],
                 "reduce_scatter": "TIDE-RS: copy-engine staging + few-CTA fp32 accumulation; across "
                                   "nodes: fp32 partials over NCCL",
             }
@@ -124,6 +142,8 @@ def _text(r: dict) -> str:
                          f"{d['copy_engines']}, VMM+POSIX fds {d['vmm_posix_fd']}, multicast "
                          f"{d['multicast']}, IPC {d['ipc']}, stream memory ops {d['stream_mem_ops']}")
         lines.append(f"  peer access: {probe['peer_access']}")
+    if "nccl_one_sided" in r:
+        lines.append(f"  TIDE-AG between GPU nodes: {r['nccl_one_sided']['between_nodes']}")
     lines.append("paths:")
     for device, what in r["paths"].items():
         if isinstance(what, dict):

@@ -116,10 +116,12 @@ uint64_t run_node_all_gather(const NodeAllGather& a, Engine& engine, NodePeers& 
         std::byte* base = mine(tr.param);
         if (contiguous(pat)) {
           std::byte* at = base + static_cast<size_t>(pat.offset) * es;
+          // Where it lies on both ranks: at the same offset of their storages (and of the
+          // symmetric pool, where the storages are homed there).
           if (sending)
-            sends.push_back({peer, at, bytes});
+            sends.push_back({peer, at, bytes, a.symmetric_storages});
           else
-            recvs.push_back({peer, at, bytes});
+            recvs.push_back({peer, at, bytes, a.symmetric_storages});
           continue;
         }
         std::byte* buf = packed->emplace_back(peers.scratch(bytes)).get();

@@ -994,7 +994,7 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     args.storage_dtype = storage_dtype;
 #ifdef TIDE_WITH_CUDA
     if (device >= 0 && !comm_)
-      return cuda_path().param_all_gather_across_nodes(args, *home, storage_offsets, storages, device);
+      return cuda_path().param_all_gather_across_nodes(args, home, storage_offsets, storages, device);
     if (device >= 0) return cuda_path().param_all_gather(args, storages, device);
 #endif
     if (comm_) {

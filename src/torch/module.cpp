@@ -3,6 +3,7 @@
 
 #include "tide/error.hpp"
 #ifdef TIDE_WITH_CUDA
+#include "cuda/NcclOneSided.hpp"
 #include "tide/cuda/probe.hpp"
 #endif
 
@@ -68,6 +69,14 @@ PYBIND11_MODULE(_C, m) {
     out["allgather_reason"] = pc.reason;
     return out;
   }, pybind11::arg("ranks") = 2, "The CUDA probe and the all-gather path for `ranks` processes (tide.doctor).");
+  m.def("nccl_one_sided", [] {
+    const auto [version, missing] = tide::torch_backend::NcclOneSided::entry_points();
+    pybind11::dict out;
+    out["version"] = version;
+    out["missing"] = missing;
+    return out;
+  }, "The loaded NCCL's version code and the one-sided entry points it lacks (found with dlsym, as TIDE-AG "
+     "across nodes does).");
 #else
   m.attr("has_cuda") = false;
 #endif

@@ -35,6 +35,15 @@ def test_json_matches_what_this_process_sees():
         assert probe["device_count"] == gpus
         assert gpus or probe["error"], "no device and no reason"
         assert len(probe["devices"]) == gpus
+        # The one-sided calls TIDE looks up at run time, in the NCCL torch itself loaded.
+        one_sided = r["nccl_one_sided"]
+        nccl = torch.cuda.nccl.version()
+        assert one_sided["version"] == ".".join(map(str, nccl)), (one_sided, nccl)
+        if nccl >= (2, 29, 7):
+            assert one_sided["usable"] and one_sided["missing"] == [], one_sided
+            assert "one-sided puts into registered windows" in one_sided["between_nodes"]
+        else:  # torch 2.11 ships NCCL 2.28.9: windows, no puts
+            assert not one_sided["usable"] and "ncclPutSignal" in one_sided["missing"], one_sided
     # Zero-copy applies on this machine exactly when nothing made TIDE fall back.
     assert (run.returncode == 0) == (not r["fallbacks"]), (run.returncode, r["fallbacks"])
     if not gpus:

@@ -146,6 +146,8 @@ CudaPath::~CudaPath() {
   }
   cv_.notify_all();
   watchdog_.join();
+  // A broken group's streams may still be on their way into the windows: keep them.
+  if (wire_ && (!health_->get().empty() || (group_ && group_->broken()))) wire_->leak_windows();
   // group_ goes last: healthy, it waits for its streams and frees its memory (ipc: together
   // with the peers); broken, it leaks what a stream may still use.
 }
@@ -172,6 +174,7 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
       std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(at::kCUDA, device))};
       nodes_->nccl->allreduce(one)->wait();
       TIDE_CUDA_CHECK(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
+      choose_one_sided(device);
     } else {
       created = std::make_unique<tide::cuda::CudaGroup>(store_, ns_, rank_, ws_, device, options);
     }
@@ -183,6 +186,51 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
               " but this group's CUDA collectives run on cuda:", group_->device(),
               " (one device per rank and process group)");
   return *group_;
+}
+
+void CudaPath::choose_one_sided(int device) {
+  const std::string why = NcclOneSided::why_not(*nodes_->nccl, device);
+  // Every rank or none: a put meets no receive, and a receive no put.
+  const auto all = exchange_(std::vector<uint8_t>{static_cast<uint8_t>(why.empty())});
+  int refusing = -1;
+  for (int r = 0; r < static_cast<int>(all.size()) && refusing < 0; ++r)
+    if (all[r].empty() || all[r][0] == 0) refusing = r;
+  if (refusing < 0) {
+    wire_ = std::make_unique<NcclOneSided>(nodes_->nccl, device, rank_);
+    puts_ = std::make_unique<tide::OneSidedEngine>(*wire_, *engine_, rank_, "nccl one-sided");
+  } else {
+    one_sided_why_ = refusing == rank_ ? why
+                                       : tide::detail::concat("rank ", refusing, " cannot (TIDE_DEBUG there says why)");
+  }
+  TORCH_CHECK(puts_ || tide::env::get_string("TIDE_NCCL_ONE_SIDED", "auto") != "1", "tide: rank ", rank_,
+              ": TIDE_NCCL_ONE_SIDED=1, but no one-sided puts between the nodes: ", one_sided_why_);
+  tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": inter-node TIDE-AG over ", engine_description()));
+}
+
+tide::Engine& CudaPath::all_gather_engine(const std::shared_ptr<tide::SymmetricBuffer>& home) {
+  if (!puts_) return *engine_;
+  // The window is registered at the first all-gather into this memory, on every rank at
+  // once (the pool is the same program everywhere); a rank NCCL gave no window (or an
+  // error) makes every rank go on over send-recv.
+  const int windows = wire_->windows();
+  bool ok = false;
+  std::string error;
+  try {
+    ok = wire_->ensure_window(home, home->bytes(nodes_->topology.local_rank(rank_)));
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (ok && wire_->windows() == windows) return *puts_;  // known before: no rank registered anew
+  const auto all = exchange_(std::vector<uint8_t>{static_cast<uint8_t>(ok)});
+  for (int r = 0; r < static_cast<int>(all.size()); ++r)
+    if (all[r].empty() || all[r][0] == 0) {
+      one_sided_why_ = r == rank_ ? tide::detail::concat("NCCL registered no window here", error.empty() ? "" : ": ", error)
+                                  : tide::detail::concat("NCCL registered no window on rank ", r);
+      tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": one-sided puts off: ", one_sided_why_));
+      puts_.reset();  // nothing in flight between collectives
+      return *engine_;
+    }
+  return *puts_;
 }
 
 std::pair<std::string, std::string> CudaPath::path_choice(int device) {
@@ -263,7 +311,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather(const tide::ParamAllGa
 }
 
 c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tide::ParamAllGather& args,
-                                                                       tide::SymmetricBuffer& home,
+                                                                       const std::shared_ptr<tide::SymmetricBuffer>& home,
                                                                        const std::vector<size_t>& storage_offsets,
                                                                        std::vector<at::Tensor> outputs, int device) {
   TORCH_CHECK(nodes_, "tide param_all_gather: rank ", rank_, ": this group's CUDA path is for one node");
@@ -272,10 +320,12 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tid
   check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
                      tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, &home, storage_offsets, 0, &schedules_};
+  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, home.get(), storage_offsets, 0, &schedules_};
+  tide::Engine& engine = all_gather_engine(home);
   guarded("param_all_gather", [&] {
     engine_->bind(g.copy_stream());  // NCCL ordered with the node's copies
-    tide::cuda::param_all_gather_across_nodes(g, args, across, *engine_, stream);
+    if (wire_) wire_->bind(g.copy_stream());
+    tide::cuda::param_all_gather_across_nodes(g, args, across, engine, stream);
   });
   if (tide::env::debug())
     tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
@@ -287,12 +337,13 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tid
 
 std::string CudaPath::engine_description() const {
   if (!nodes_) return "";
-  return NcclEngine::one_sided_available()
-             ? "nccl send-recv (the loaded NCCL has one-sided puts; TIDE does not use them yet)"
-             : "nccl send-recv";
+  if (puts_) return "nccl one-sided (contiguous blocks put into registered windows; packed blocks over nccl send-recv)";
+  return one_sided_why_.empty() ? "nccl send-recv" : "nccl send-recv (no one-sided puts: " + one_sided_why_ + ")";
 }
 
-int64_t CudaPath::inter_node_bytes_sent() const { return engine_ ? engine_->bytes_sent() : 0; }
+int64_t CudaPath::inter_node_bytes_sent() const {
+  return (engine_ ? engine_->bytes_sent() : 0) + (puts_ ? puts_->bytes_put() : 0);
+}
 
 c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamReduceScatter& args,
                                                               std::vector<at::Tensor> outputs, int device,
@@ -318,7 +369,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamR
         " params, copy engines + ", g.rs_ctas(), " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
         " B staging (", report->reused_slots, " in vacated all-gather storage)",
         nodes_ ? tide::detail::concat("; across ", nodes_->topology.num_nodes, " nodes: node-local into fp32 partials (",
-                                      report->partial_bytes, " B), inter-node over ", engine_description())
+                                      report->partial_bytes, " B), inter-node over nccl send-recv")
                : std::string()));
   return finish("tide:param_reduce_scatter", c10d::OpType::REDUCE_SCATTER, std::move(outputs), device);
 }

@@ -40,6 +40,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "NcclEngine.hpp"
+#include "NcclOneSided.hpp"
 #include "tide/comm.hpp"
 #include "tide/plan.hpp"
 #include "tide/store.hpp"
@@ -80,12 +81,15 @@ class CudaPath {
   c10::intrusive_ptr<c10d::Work> param_all_gather(const tide::ParamAllGather& args,
                                                   std::vector<at::Tensor> outputs, int device);
   // TIDE-AG across nodes: the storages lie in `home` (node-symmetric CUDA memory, the
-  // Slot-Reuse pool) at `storage_offsets`.
+  // Slot-Reuse pool) at `storage_offsets`, the same on every rank; with one-sided puts,
+  // `home` is a window (registered at its first use, collectively).
   c10::intrusive_ptr<c10d::Work> param_all_gather_across_nodes(const tide::ParamAllGather& args,
-                                                               tide::SymmetricBuffer& home,
+                                                               const std::shared_ptr<tide::SymmetricBuffer>& home,
                                                                const std::vector<size_t>& storage_offsets,
                                                                std::vector<at::Tensor> outputs, int device);
-  // What moves bytes between nodes on CUDA (for TIDE_DEBUG and tide.fsdp's log lines).
+  // What moves TIDE-AG's bytes between nodes on CUDA (for TIDE_DEBUG and tide.fsdp's log
+  // lines): "nccl one-sided ..." or "nccl send-recv ..." with the reason; TIDE-RS's
+  // partials always go by send-recv.
   std::string engine_description() const;
   int64_t inter_node_bytes_sent() const;
   c10::intrusive_ptr<c10d::Work> param_reduce_scatter(const tide::ParamReduceScatter& args,
@@ -113,6 +117,10 @@ class CudaPath {
   c10::intrusive_ptr<c10d::Work> finish(const char* collective, c10d::OpType type,
                                         std::vector<at::Tensor> outputs, int device);
   void watchdog_loop();
+  // At the node group's creation: one-sided puts where every rank can make them.
+  void choose_one_sided(int device);
+  // The engine of a TIDE-AG over `home`: one-sided once every rank has it as a window.
+  tide::Engine& all_gather_engine(const std::shared_ptr<tide::SymmetricBuffer>& home);
 
   std::shared_ptr<tide::Store> store_;
   std::string ns_;
@@ -120,7 +128,10 @@ class CudaPath {
   std::chrono::milliseconds timeout_;
   Exchange exchange_;
   std::optional<AcrossNodes> nodes_;
-  std::unique_ptr<NcclEngine> engine_;  // across nodes, on the group's device
+  std::unique_ptr<NcclEngine> engine_;          // across nodes, on the group's device: send / recv
+  std::unique_ptr<NcclOneSided> wire_;          // and one-sided puts, where every rank's NCCL has them
+  std::unique_ptr<tide::OneSidedEngine> puts_;  // TIDE-AG over wire_ (the rest over engine_)
+  std::string one_sided_why_;                   // why not, when not
   tide::NodeScheduleCache schedules_;
   std::unique_ptr<tide::cuda::CudaGroup> group_;
   std::shared_ptr<Health> health_ = std::make_shared<Health>();

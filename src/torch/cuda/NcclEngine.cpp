@@ -1,7 +1,5 @@
 #include "NcclEngine.hpp"
 
-#include <dlfcn.h>
-
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -79,12 +77,6 @@ void NcclEngine::finish() {
 void NcclEngine::abandon() {
   for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
   in_flight_.clear();
-}
-
-bool NcclEngine::one_sided_available() {
-  for (const char* symbol : {"ncclPutSignal", "ncclWaitSignal", "ncclCommWindowRegister"})
-    if (!dlsym(RTLD_DEFAULT, symbol)) return false;
-  return true;
 }
 
 }  // namespace tide::torch_backend

@@ -3,8 +3,8 @@
 // ncclSend / ncclRecv (torch's coalescing, as batch_isend_irecv), straight from and into
 // the callers' device byte ranges, ordered on the stream bound with bind(): NCCL starts
 // after the work enqueued there, and finish() makes that stream wait for NCCL, so the host
-// never waits. One-sided puts (ncclPutSignal into registered windows, NCCL >= 2.29) are not
-// used yet: the loaded NCCL's support is reported (one_sided_available) for TIDE_DEBUG.
+// never waits. Where every rank's NCCL has one-sided puts, TIDE-AG's contiguous blocks go
+// through NcclOneSided instead (tide::OneSidedEngine over this engine for the rest).
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -27,9 +27,6 @@ class NcclEngine final : public tide::Engine {
   void finish() override;
   void abandon() override;
   int64_t bytes_sent() const { return bytes_sent_; }
-  // Whether the NCCL loaded in this process exports the one-sided API (ncclPutSignal,
-  // ncclWaitSignal, ncclCommWindowRegister), looked up at run time.
-  static bool one_sided_available();
 
  private:
   struct Exchange {

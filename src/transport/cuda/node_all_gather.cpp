@@ -130,7 +130,9 @@ void param_all_gather_across_nodes(CudaGroup& g, const ParamAllGather& a, const 
   TIDE_CHECK(nodes.schedules, "tide: cuda: param_all_gather on rank ", me, ": no schedule cache");
   const plan::NodeAllGatherSchedule& schedule = nodes.schedules->get(
       layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace), static_cast<int64_t>(des)), me);
-  node_param_all_gather({&layout, &schedule, me, a.storages, des, g.current(CudaGroup::kNodeAg)}, engine, peers);
+  // The storages lie at the same pool offsets on every rank of the group (CudaPath checks
+  // the offsets across ranks): contiguous blocks may be put straight into a peer's.
+  node_param_all_gather({&layout, &schedule, me, a.storages, des, g.current(CudaGroup::kNodeAg), true}, engine, peers);
   g.end(stream, {s});
 }
 

@@ -126,6 +126,15 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device_;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  // GPUDirect RDMA where the device has it for cuMem memory, as ncclMemAlloc asks: NCCL's
+  // one-sided puts between nodes register the pool with the NIC.
+  CUdevice cu_device = 0;
+  int rdma = 0;
+  if (drv.cuDeviceGet && drv.cuDeviceGetAttribute && drv.cuDeviceGet(&cu_device, device_) == CUDA_SUCCESS &&
+      drv.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, cu_device) ==
+          CUDA_SUCCESS &&
+      rdma)
+    prop.allocFlags.gpuDirectRDMACapable = 1;
   size_t gran = 0;
   TIDE_CU_CHECK(drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   CUmemAccessDesc access{};
