@@ -62,6 +62,11 @@ class OneSidedEngine final : public Engine {
              std::shared_ptr<const void> keep_alive) override;
   void finish() override;
   void abandon() override;
+  // One bare signal to each rank of `to` and a wait for one from each rank of `from`
+  // (every rank's `to` the others' `from`), counted like an exchange's: a first contact that
+  // proves the wire works (and lets NCCL set up what it sets up at its first call, which
+  // waits for every rank) before a collective depends on it.
+  void handshake(std::span<const int> to, std::span<const int> from);
   int64_t bytes_put() const { return bytes_put_; }
 
  private:

@@ -47,7 +47,6 @@ void OneSidedEngine::start(std::span<const EngineSend> sends, std::span<const En
                  " bytes to rank ", s.peer, " is marked symmetric but lies outside the registered window");
       puts.push_back({s.data, s.bytes, s.peer, static_cast<size_t>(at)});
       ++puts_to[s.peer];
-      bytes_put_ += static_cast<int64_t>(s.bytes);
     }
     for (const EngineRecv& r : recvs) {
       if (!r.symmetric) {
@@ -74,6 +73,7 @@ void OneSidedEngine::start(std::span<const EngineSend> sends, std::span<const En
     if (!ready.empty()) wire_.signal(ready);  // before waiting: a peer may wait for it
     if (!readiness.empty()) wire_.wait(readiness);
     if (!puts.empty()) wire_.put(puts);
+    for (const OneSidedWire::Put& p : puts) bytes_put_ += static_cast<int64_t>(p.bytes);
     if (!other_sends.empty() || !other_recvs.empty()) {
       exchange.two_sided = true;
       two_sided_.start(other_sends, other_recvs, keep_alive);
@@ -84,6 +84,20 @@ void OneSidedEngine::start(std::span<const EngineSend> sends, std::span<const En
     throw;
   }
   in_flight_.push_back(std::move(exchange));
+}
+
+void OneSidedEngine::handshake(std::span<const int> to, std::span<const int> from) {
+  TIDE_CHECK(!broken_ && in_flight_.empty(), "tide inter-node exchange over ", name_, ": rank ", rank_,
+             ": a handshake needs an idle, healthy engine");
+  try {
+    std::vector<OneSidedWire::Wait> waits;
+    for (int peer : from) wait_until(waits, peer, ++expected_[peer]);
+    if (!to.empty()) wire_.signal(to);
+    if (!waits.empty()) wire_.wait(waits);
+  } catch (...) {
+    broken_ = true;
+    throw;
+  }
 }
 
 void OneSidedEngine::finish() {

@@ -485,5 +485,58 @@ TEST(OneSidedEngine, ASymmetricMessageOutsideTheWindowIsAnError) {
   EXPECT_THROW(engine.start({}, {}, nullptr), Error);
 }
 
+TEST(OneSidedEngine, AbandonKeepsTheBuffersAndRefusesToGoOn) {
+  const plan::GroupLayout g = plan::plan_group({{{8}, 4, 0}}, 2);
+  World w(g, {2, 1, 2}, 4);
+  HostWire wire(w, 0);
+  MailEngine mail(w, 0);
+  OneSidedEngine engine(wire, mail, 0, "test one-sided");
+  const EngineRecv recv{1, w.storage(0, 0), 16, true};  // rank 1 never puts: a collective that failed
+  auto buffers = std::make_shared<int>(0);
+  engine.start({}, std::span<const EngineRecv>(&recv, 1), buffers);
+  engine.abandon();
+  EXPECT_EQ(buffers.use_count(), 2) << "a late put may still land: the buffers stay with the engine";
+  EXPECT_THROW(engine.start({}, {}, nullptr), Error);
+}
+
+TEST(OneSidedEngine, TheHandshakeCountsLikeAnExchange) {
+  // After the handshake's signal, rank 1's first put must still wait for rank 0's "ready" of
+  // the exchange (the handshake's signal must not pass for it): rank 0 refills its window
+  // late, and a put that came early would be overwritten.
+  const plan::GroupLayout g = plan::plan_group({{{8}, 4, 0}}, 2);
+  World w(g, {2, 1, 2}, 4);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        HostWire wire(w, r);
+        MailEngine mail(w, r);
+        OneSidedEngine engine(wire, mail, r, "test one-sided");
+        const int peer = 1 - r;
+        engine.handshake(std::span<const int>(&peer, 1), std::span<const int>(&peer, 1));
+        if (r == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          std::fill(w.window[0].begin(), w.window[0].end(), std::byte{0xEE});
+        }
+        std::byte* mine = w.storage(r, 0) + static_cast<size_t>(r) * 16;
+        std::fill(mine, mine + 16, static_cast<std::byte>(0x10 + r));
+        const EngineSend send{peer, mine, 16, true};
+        const EngineRecv recv{peer, w.storage(r, 0) + static_cast<size_t>(peer) * 16, 16, true};
+        engine.start(std::span<const EngineSend>(&send, 1), std::span<const EngineRecv>(&recv, 1), nullptr);
+        engine.finish();
+        for (size_t i = 0; i < 16; ++i)
+          TIDE_CHECK(static_cast<std::byte*>(recv.data)[i] == static_cast<std::byte>(0x10 + peer), "rank ", r,
+                     ": byte ", i, " of rank ", peer, "'s block is not what it put");
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+  EXPECT_EQ(w.put_bytes.load(), 32);
+}
+
 }  // namespace
 }  // namespace tide

@@ -148,6 +148,11 @@ CudaPath::~CudaPath() {
   watchdog_.join();
   // A broken group's streams may still be on their way into the windows: keep them.
   if (wire_ && (!health_->get().empty() || (group_ && group_->broken()))) wire_->leak_windows();
+  // The engines before the group: the buffers they keep after a failure are freed in the
+  // order of the group's streams and its memory pool.
+  puts_.reset();
+  wire_.reset();
+  engine_.reset();
   // group_ goes last: healthy, it waits for its streams and frees its memory (ipc: together
   // with the peers); broken, it leaks what a stream may still use.
 }
@@ -198,6 +203,7 @@ void CudaPath::choose_one_sided(int device) {
   if (refusing < 0) {
     wire_ = std::make_unique<NcclOneSided>(nodes_->nccl, device, rank_);
     puts_ = std::make_unique<tide::OneSidedEngine>(*wire_, *engine_, rank_, "nccl one-sided");
+    one_sided_handshake(device);
   } else {
     one_sided_why_ = refusing == rank_ ? why
                                        : tide::detail::concat("rank ", refusing, " cannot (TIDE_DEBUG there says why)");
@@ -207,8 +213,41 @@ void CudaPath::choose_one_sided(int device) {
   tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": inter-node TIDE-AG over ", engine_description()));
 }
 
+void CudaPath::one_sided_handshake(int device) {
+  // A ring along this rank's rail: NCCL's first one-sided call on a communicator sets up its
+  // copy-engine path collectively (every rank's first call waits for the others'), so it
+  // happens here, at group creation, rather than inside some rank's first all-gather; and a
+  // wire that cannot deliver fails here, loudly, before training depends on it. On a stream
+  // of its own (left behind if it never completes), waited for with the group's timeout.
+  const tide::plan::Topology& t = nodes_->topology;
+  const int node = t.node_of(rank_), local = t.local_rank(rank_);
+  const int to = t.rank_of((node + 1) % t.num_nodes, local), from = t.rank_of((node + t.num_nodes - 1) % t.num_nodes, local);
+  cudaStream_t s = nullptr;
+  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  wire_->bind(s);
+  puts_->handshake(std::span<const int>(&to, 1), std::span<const int>(&from, 1));
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (cudaError_t e = cudaStreamQuery(s);; e = cudaStreamQuery(s)) {
+    if (e == cudaSuccess) break;
+    TIDE_CHECK(e == cudaErrorNotReady, "tide: cuda: rank ", rank_, ": the one-sided handshake failed: ",
+               cudaGetErrorString(e));
+    if (std::chrono::steady_clock::now() > deadline) {
+      (void)cudaGetLastError();
+      C10_THROW_ERROR(DistBackendError,
+                      tide::detail::concat("tide: cuda: rank ", rank_, ": NCCL's one-sided handshake with ranks ", to,
+                                           " and ", from, " did not complete within ", timeout_.count(),
+                                           " ms (TIDE_NCCL_ONE_SIDED=0 uses send/recv instead)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  (void)cudaGetLastError();  // cudaErrorNotReady of the polls
+  TIDE_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 tide::Engine& CudaPath::all_gather_engine(const std::shared_ptr<tide::SymmetricBuffer>& home) {
   if (!puts_) return *engine_;
+  TORCH_CHECK(wire_->same_communicator(), "tide param_all_gather: rank ", rank_,
+              ": the NCCL delegate's communicator was aborted or replaced since the one-sided window was made");
   // The window is registered at the first all-gather into this memory, on every rank at
   // once (the pool is the same program everywhere); a rank NCCL gave no window (or an
   // error) makes every rank go on over send-recv.
@@ -250,9 +289,9 @@ std::shared_ptr<tide::SymmetricBuffer> CudaPath::allocate_symmetric(size_t bytes
 }
 
 void CudaPath::check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
-                                  tide::DType from, tide::DType to, int op, uint64_t extra) {
+                                  tide::DType from, tide::DType to, int op, uint64_t extra, bool required) {
   static const bool enabled = tide::env::get_int("TIDE_CUDA_CHECK_ARGS", 1) != 0;
-  if (!enabled) {
+  if (!enabled && !required) {
     ++seq_;
     return;
   }
@@ -317,8 +356,12 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tid
   TORCH_CHECK(nodes_, "tide param_all_gather: rank ", rank_, ": this group's CUDA path is for one node");
   auto& g = group(device, "param_all_gather");
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // Puts land at the sender's offsets in the receiver's memory: with them, the offsets (and
+  // the size of the memory they lie in) are compared across ranks whatever TIDE_CUDA_CHECK_ARGS says.
+  const size_t home_bytes = home->bytes(nodes_->topology.local_rank(rank_));
   check_across_ranks("param_all_gather", *args.layout, args.shard_dtype, args.storage_dtype, -1,
-                     tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)));
+                     tide::fnv(tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)), home_bytes),
+                     puts_ != nullptr);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
   tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, home.get(), storage_offsets, 0, &schedules_};
   tide::Engine& engine = all_gather_engine(home);
@@ -419,6 +462,14 @@ void CudaPath::watchdog_loop() {
       group_->abort(tide::detail::concat(p.what, " did not complete within ", timeout_.count(),
                                          " ms (a peer died or hung); the group is aborted"));
       set_failed(group_->broken_why());
+      // Across nodes the work in flight also waits on NCCL (a send/recv kernel; a one-sided
+      // wait, which NCCL's abort may not release): abort the communicator, as NCCL's own
+      // watchdog would, so that the peers' NCCL fails too.
+      if (nodes_) try {
+          nodes_->nccl->abort();
+        } catch (const std::exception& e) {
+          tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": aborting NCCL: ", e.what()));
+        }
       break;
     }
   }

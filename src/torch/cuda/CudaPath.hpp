@@ -109,8 +109,9 @@ class CudaPath {
  private:
   tide::cuda::CudaGroup& group(int device, const char* collective);
   // `extra`: a hash of the other arguments peers rely on (offsets, Slot-Reuse regions).
+  // `required`: also with TIDE_CUDA_CHECK_ARGS=0 (where a mismatch would corrupt memory).
   void check_across_ranks(const char* collective, const tide::plan::GroupLayout& layout,
-                          tide::DType from, tide::DType to, int op, uint64_t extra);
+                          tide::DType from, tide::DType to, int op, uint64_t extra, bool required = false);
   // Runs the enqueueing of a collective; if it throws, aborts the group and rethrows.
   void guarded(const char* collective, const std::function<void()>& enqueue);
   void set_failed(const std::string& why);
@@ -119,6 +120,7 @@ class CudaPath {
   void watchdog_loop();
   // At the node group's creation: one-sided puts where every rank can make them.
   void choose_one_sided(int device);
+  void one_sided_handshake(int device);
   // The engine of a TIDE-AG over `home`: one-sided once every rank has it as a window.
   tide::Engine& all_gather_engine(const std::shared_ptr<tide::SymmetricBuffer>& home);
 

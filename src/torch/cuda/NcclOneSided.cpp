@@ -23,7 +23,7 @@ struct NcclRma {
   struct WaitDesc {  // ncclWaitSignalDesc_t
     int opCnt, peer, sigIdx, ctx;
   };
-  struct Properties {  // ncclCommProperties_t
+  struct Properties {  // ncclCommProperties_t as of 2.29.7 (the version it is asked with)
     size_t size;
     unsigned int magic, version;
     int rank, nRanks, cudaDev, nvmlDev;
@@ -31,6 +31,7 @@ struct NcclRma {
     int ginType, nLsaTeams;
     bool hostRmaSupport;
     int railedGinType;
+    char reserved[256];  // room for a later NCCL that fills fields by its own layout
   };
   static constexpr int kWinCollSymmetric = 0x01;  // NCCL_WIN_COLL_SYMMETRIC
   static constexpr int kOneSidedSince = 22907;    // 2.29.7: the first with hostRmaSupport reported
@@ -110,6 +111,11 @@ std::string NcclOneSided::why_not(c10d::Backend& nccl, int device) {
   if (mode == "0") return "TIDE_NCCL_ONE_SIDED=0";
   if (env::get_string("TIDE_CUDA_SYMMETRIC", "vmm") == "ipc")
     return "the symmetric pool is cudaMalloc memory (TIDE_CUDA_SYMMETRIC=ipc); NCCL windows need cuMem allocations";
+  int driver = 0;
+  if (cudaDriverGetVersion(&driver) != cudaSuccess) (void)cudaGetLastError();
+  if (driver < 12050)  // NCCL refuses host RMA calls below, at enqueue, whatever it reports
+    return detail::concat("the CUDA driver is ", driver / 1000, '.', driver % 1000 / 10,
+                          " (NCCL's one-sided calls need 12.5 or later)");
   const NcclRma& r = rma();
   if (r.version && r.version < NcclRma::kOneSidedSince)
     return detail::concat("the loaded NCCL is ", r.version_string(), " (one-sided puts need 2.29.7 or later)");
@@ -119,7 +125,7 @@ std::string NcclOneSided::why_not(c10d::Backend& nccl, int device) {
   NcclRma::Properties props{};
   props.size = sizeof props;
   props.magic = NcclRma::kApiMagic;
-  props.version = static_cast<unsigned>(r.version);
+  props.version = NcclRma::kOneSidedSince;  // the layout declared above
   if (const int e = r.query_properties(comm, &props); e != ncclSuccess)
     return detail::concat("ncclCommQueryProperties failed: ", r.error_string(e));
   if (!props.hostRmaSupport)
@@ -136,8 +142,16 @@ NcclOneSided::NcclOneSided(c10::intrusive_ptr<c10d::Backend> nccl, int device, i
 }
 
 NcclOneSided::~NcclOneSided() {
-  if (leak_) return;
+  if (leak_ || !same_communicator()) return;  // an aborted or replaced communicator: nothing to deregister with
   for (Window& w : windows_) deregister(w);
+}
+
+bool NcclOneSided::same_communicator() const {
+  try {
+    return comm_of(*nccl_, device_) == comm_;
+  } catch (const std::exception&) {
+    return false;
+  }
 }
 
 void NcclOneSided::check(int result, const char* call) const {

@@ -28,8 +28,9 @@ struct NcclRma;  // the entry points, found with dlsym
 class NcclOneSided final : public tide::OneSidedWire {
  public:
   // Why the NCCL delegate `nccl` cannot carry one-sided puts on `device` here (empty: it
-  // can): TIDE_NCCL_ONE_SIDED=0, entry points missing from the loaded NCCL, an NCCL before
-  // 2.29.7, or a communicator without host RMA (ncclCommQueryProperties: no GIN-capable
+  // can): TIDE_NCCL_ONE_SIDED=0, the pool in cudaMalloc memory, a CUDA driver before 12.5,
+  // entry points missing from the loaded NCCL, an NCCL before 2.29.7, or a communicator
+  // without host RMA (ncclCommQueryProperties: no GIN-capable
   // network between the nodes, for one). Local: the ranks must agree before use.
   static std::string why_not(c10d::Backend& nccl, int device);
   // The loaded NCCL's version code (0: none loaded) and the entry points it lacks, by name.
@@ -47,6 +48,9 @@ class NcclOneSided final : public tide::OneSidedWire {
   // At teardown of a broken group: keep the windows registered (a stream may still use them).
   void leak_windows() { leak_ = true; }
   int windows() const { return static_cast<int>(windows_.size()); }
+  // Whether the delegate still has the communicator this wire was made on (ProcessGroupNCCL
+  // drops it when it aborts).
+  bool same_communicator() const;
   void bind(cudaStream_t stream) { stream_ = stream; }
 
   const char* name() const override { return "nccl one-sided"; }

@@ -129,12 +129,12 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   // GPUDirect RDMA where the device has it for cuMem memory, as ncclMemAlloc asks: NCCL's
   // one-sided puts between nodes register the pool with the NIC.
   CUdevice cu_device = 0;
-  int rdma = 0;
-  if (drv.cuDeviceGet && drv.cuDeviceGetAttribute && drv.cuDeviceGet(&cu_device, device_) == CUDA_SUCCESS &&
-      drv.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, cu_device) ==
-          CUDA_SUCCESS &&
-      rdma)
-    prop.allocFlags.gpuDirectRDMACapable = 1;
+  const bool queried = drv.cuDeviceGet && drv.cuDeviceGetAttribute && drv.cuDeviceGet(&cu_device, device_) == CUDA_SUCCESS;
+  auto has = [&](CUdevice_attribute a) {
+    int v = 0;
+    return queried && drv.cuDeviceGetAttribute(&v, a, cu_device) == CUDA_SUCCESS && v != 0;
+  };
+  if (has(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)) prop.allocFlags.gpuDirectRDMACapable = 1;
   size_t gran = 0;
   TIDE_CU_CHECK(drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   CUmemAccessDesc access{};
@@ -156,7 +156,16 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
 
   const size_t size = (std::max<size_t>(bytes, 1) + gran - 1) / gran * gran;
   CUmemGenericAllocationHandle own = 0;
-  TIDE_CU_CHECK(drv.cuMemCreate(&own, size, &prop, 0));
+  // Fabric handles too where the device has them (multi-node NVLink), as ncclMemAlloc asks:
+  // NCCL exports a window's memory with the handle type of its own choice. Without an IMEX
+  // channel the driver refuses them: then POSIX fds alone.
+  if (has(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)) {
+    CUmemAllocationProp with_fabric = prop;
+    with_fabric.requestedHandleTypes =
+        static_cast<CUmemAllocationHandleType>(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC);
+    if (drv.cuMemCreate(&own, size, &with_fabric, 0) != CUDA_SUCCESS) own = 0;
+  }
+  if (!own) TIDE_CU_CHECK(drv.cuMemCreate(&own, size, &prop, 0));
   map(rank_, own, size);
   sizes_[rank_] = bytes;
   zero_fill(ptrs_[rank_], size);
