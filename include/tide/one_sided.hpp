@@ -44,7 +44,6 @@ class OneSidedWire {
     int signals;  // > 0, counted past the waits issued before
   };
   virtual ~OneSidedWire() = default;
-  virtual const char* name() const = 0;
   // The offset of [p, p + bytes) in this rank's window, or -1 where it is not inside it.
   virtual int64_t window_offset(const void* p, size_t bytes) const = 0;
   // Each call is one batch: its operations may run concurrently, across peers.

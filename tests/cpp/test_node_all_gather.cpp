@@ -139,7 +139,6 @@ class ThreadPeers : public NodePeers {
 class HostWire : public OneSidedWire {
  public:
   HostWire(World& w, int rank) : w_(w), me_(rank) {}
-  const char* name() const override { return "test one-sided wire"; }
   int64_t window_offset(const void* p, size_t bytes) const override {
     const std::byte* base = w_.window[me_].data();
     const auto* q = static_cast<const std::byte*>(p);
@@ -294,7 +293,6 @@ class StreamEngine : public Engine {
 class StreamWire : public OneSidedWire {
  public:
   StreamWire(OneSidedWire& inner, Stream& s) : inner_(inner), s_(s) {}
-  const char* name() const override { return "test one-sided wire on a stream"; }
   int64_t window_offset(const void* p, size_t bytes) const override { return inner_.window_offset(p, bytes); }
   void signal(std::span<const int> peers) override {
     s_.enqueue([this, v = std::vector<int>(peers.begin(), peers.end())] { inner_.signal(v); });
@@ -465,12 +463,23 @@ TEST(NodeAllGather, OneSidedPutsRunStreamOrderedBesidePackedBlocks) {
   run(g, {6, 3, 2}, 4, 1 << 20, false, false, true);
 }
 
-TEST(OneSidedEngine, ASymmetricMessageOutsideTheWindowIsAnError) {
+// Two nodes of one rank, one parameter of 8 four-byte elements, and a rank's engine over
+// the host wire (the mailbox for the rest).
+struct TwoNodes {
   const plan::GroupLayout g = plan::plan_group({{{8}, 4, 0}}, 2);
-  World w(g, {2, 1, 2}, 4);
-  HostWire wire(w, 0);
-  MailEngine mail(w, 0);
-  OneSidedEngine engine(wire, mail, 0, "test one-sided");
+  World w{g, {2, 1, 2}, 4};
+};
+struct OneRank {
+  OneRank(World& w, int rank) : wire(w, rank), mail(w, rank), engine(wire, mail, rank, "test one-sided") {}
+  HostWire wire;
+  MailEngine mail;
+  OneSidedEngine engine;
+};
+
+TEST(OneSidedEngine, ASymmetricMessageOutsideTheWindowIsAnError) {
+  TwoNodes nodes;
+  OneRank rank0(nodes.w, 0);
+  OneSidedEngine& engine = rank0.engine;
   std::vector<std::byte> elsewhere(16);
   const EngineSend send{1, elsewhere.data(), elsewhere.size(), true};
   try {
@@ -486,12 +495,10 @@ TEST(OneSidedEngine, ASymmetricMessageOutsideTheWindowIsAnError) {
 }
 
 TEST(OneSidedEngine, AbandonKeepsTheBuffersAndRefusesToGoOn) {
-  const plan::GroupLayout g = plan::plan_group({{{8}, 4, 0}}, 2);
-  World w(g, {2, 1, 2}, 4);
-  HostWire wire(w, 0);
-  MailEngine mail(w, 0);
-  OneSidedEngine engine(wire, mail, 0, "test one-sided");
-  const EngineRecv recv{1, w.storage(0, 0), 16, true};  // rank 1 never puts: a collective that failed
+  TwoNodes nodes;
+  OneRank rank0(nodes.w, 0);
+  OneSidedEngine& engine = rank0.engine;
+  const EngineRecv recv{1, nodes.w.storage(0, 0), 16, true};  // rank 1 never puts: a collective that failed
   auto buffers = std::make_shared<int>(0);
   engine.start({}, std::span<const EngineRecv>(&recv, 1), buffers);
   engine.abandon();
@@ -503,16 +510,15 @@ TEST(OneSidedEngine, TheHandshakeCountsLikeAnExchange) {
   // After the handshake's signal, rank 1's first put must still wait for rank 0's "ready" of
   // the exchange (the handshake's signal must not pass for it): rank 0 refills its window
   // late, and a put that came early would be overwritten.
-  const plan::GroupLayout g = plan::plan_group({{{8}, 4, 0}}, 2);
-  World w(g, {2, 1, 2}, 4);
+  TwoNodes nodes;
+  World& w = nodes.w;
   std::vector<std::string> errors(2);
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r)
     ranks.emplace_back([&, r] {
       try {
-        HostWire wire(w, r);
-        MailEngine mail(w, r);
-        OneSidedEngine engine(wire, mail, r, "test one-sided");
+        OneRank me(w, r);
+        OneSidedEngine& engine = me.engine;
         const int peer = 1 - r;
         engine.handshake(std::span<const int>(&peer, 1), std::span<const int>(&peer, 1));
         if (r == 0) {

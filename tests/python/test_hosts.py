@@ -59,7 +59,8 @@ def test_fsdp2_with_torchrun_across_two_hosts(tmp_path):
         assert t["inter_node_bytes"] > 0
         assert "all-gather: zero-copy on cpu, across 2 nodes: inter-node over gloo" in t["log"], t["log"]
         assert not t["names"] & (AG_COPIES | RS_COPIES)
-        assert t["dev_shm"] == [], t["dev_shm"]  # each host's own, empty /dev/shm
+        host_ranks = range(r // PER_HOST * PER_HOST, (r // PER_HOST + 1) * PER_HOST)
+        assert t["dev_shm"] == [f"marker-of-rank-{q}" for q in host_ranks], t["dev_shm"]  # each host's own
     ref = run_ranks(_reference_train_worker, 4, PER_HOST, False, backend="gloo")
     assert tide[0]["losses"] == ref[0]["losses"]
     assert_params_equal(tide[0]["params"], ref[0]["params"], "tide on 2 hosts vs stock with the documented order")

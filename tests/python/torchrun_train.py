@@ -77,7 +77,10 @@ def main(out: str, mode: str) -> None:
     if mode == "train":
         from test_pseudo_nodes import _pseudo_node_train_worker
 
-        result.update(_pseudo_node_train_worker(rank, ws))
+        # A marker in /dev/shm: each host's ranks must see their own host's markers only.
+        open(f"/dev/shm/marker-of-rank-{rank}", "w").close()
+        dist.barrier()
+        result.update(_pseudo_node_train_worker(rank, ws))  # its "dev_shm": the listing after training
         dist.destroy_process_group()
     else:
         sig = {"die": signal.SIGKILL, "hang": signal.SIGSTOP}[mode]

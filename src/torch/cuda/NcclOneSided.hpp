@@ -53,7 +53,6 @@ class NcclOneSided final : public tide::OneSidedWire {
   bool same_communicator() const;
   void bind(cudaStream_t stream) { stream_ = stream; }
 
-  const char* name() const override { return "nccl one-sided"; }
   int64_t window_offset(const void* p, size_t bytes) const override;
   void signal(std::span<const int> peers) override;
   void put(std::span<const Put> puts) override;
