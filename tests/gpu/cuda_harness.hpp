@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
@@ -30,6 +31,7 @@ struct RankCtx {
   int rank = 0, ws = 1;
   std::string dir;
   uint64_t seed = 0;
+  int64_t timeout_ms = 60000;  // the groups' timeout: half the harness's kill, so a hang reports
 };
 
 struct Outcome {
@@ -53,13 +55,14 @@ inline void child_main_if_requested() {
     std::string f;
     std::vector<std::string> parts;
     while (std::getline(is, f, ';')) parts.push_back(f);
-    if (parts.size() != 6) _exit(3);
+    if (parts.size() != 7) _exit(3);
     c.scenario = parts[0];
     c.rank = std::atoi(parts[1].c_str());
     c.ws = std::atoi(parts[2].c_str());
     c.dir = parts[3];
     c.seed = std::strtoull(parts[4].c_str(), nullptr, 10);
     fd = std::atoi(parts[5].c_str());
+    c.timeout_ms = std::strtoll(parts[6].c_str(), nullptr, 10);
   }
   std::string msg;
   int code = 0;
@@ -78,8 +81,10 @@ inline void child_main_if_requested() {
   _exit(code);
 }
 
-// The parent side. `child_args` are extra argv entries for the re-executed binary (the
-// GoogleTest build passes a filter selecting its child test).
+// The parent side: one fresh process per rank, killed after `limit` (the ranks' groups time
+// out after half of it, so a hang reports each rank's flags before the kill). `child_args`
+// are extra argv entries for the re-executed binary. Safe to call from several threads at
+// once (the parent never touches CUDA).
 inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const std::vector<std::string>& child_args,
                                       std::chrono::seconds limit = std::chrono::seconds(120)) {
   char tmpl[] = "/tmp/tide-cuda-test-XXXXXX";
@@ -92,13 +97,16 @@ inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const
   std::fflush(nullptr);
   for (int r = 0; r < ws; ++r) {
     int p[2];
-    if (::pipe(p) != 0) throw std::runtime_error("pipe failed");
-    ::fcntl(p[0], F_SETFD, FD_CLOEXEC);
+    // Both ends close on exec: a rank process of a scenario run from another thread must
+    // not hold this pipe open (its reader waits for the end of it).
+    if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
     const std::string env = scenario + ";" + std::to_string(r) + ";" + std::to_string(ws) + ";" + dir + ";" +
-                            std::to_string(seed) + ";" + std::to_string(p[1]);
+                            std::to_string(seed) + ";" + std::to_string(p[1]) + ";" +
+                            std::to_string(std::chrono::milliseconds(limit).count() / 2);
     pid_t pid = ::fork();
     if (pid == 0) {
       ::close(p[0]);
+      ::fcntl(p[1], F_SETFD, 0);  // this rank's own end survives its exec
       ::setenv("TIDE_CUDA_TEST_CHILD", env.c_str(), 1);
       int devnull = ::open("/dev/null", O_WRONLY);
       if (devnull >= 0) ::dup2(devnull, 1);  // the re-executed test binary's banners
@@ -151,8 +159,8 @@ inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   for (int fd : fds) ::close(fd);
-  std::string cmd = std::string("rm -rf '") + dir + "'";
-  (void)!std::system(cmd.c_str());
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
   return out;
 }
 

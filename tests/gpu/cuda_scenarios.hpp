@@ -12,6 +12,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_harness.hpp"
@@ -106,6 +107,10 @@ inline plan::GroupLayout test_layout(int ws, int64_t elem_size) {
   return plan::plan_group(ps, ws);
 }
 
+// " [modes: flags=device copies=batched memory=vmm]": what the group actually took (the
+// runner compares it with what the device must offer: --expect).
+inline std::string modes(const cuda::CudaGroup& g) { return " [modes: " + g.modes() + "]"; }
+
 struct Group {
   std::shared_ptr<Store> store;
   std::unique_ptr<cuda::CudaGroup> g;
@@ -114,7 +119,7 @@ inline Group make_group(const RankCtx& c, cuda::CudaGroupOptions opt = {}) {
   TIDE_CUDA_CHECK(cudaSetDevice(0));  // every rank shares device 0 (one-GPU machine)
   Group gr;
   gr.store = std::shared_ptr<Store>(make_file_store(c.dir).release());
-  opt.timeout = std::chrono::seconds(60);
+  opt.timeout = std::chrono::milliseconds(c.timeout_ms);
   gr.g = std::make_unique<cuda::CudaGroup>(gr.store, "t", c.rank, c.ws, 0, opt);
   return gr;
 }
@@ -152,7 +157,55 @@ inline std::string scenario_symmetric(const RankCtx& c) {
   for (size_t i = 0; i < mine; ++i)
     TIDE_EXPECT(got[i] == (i >= 100 && i < 1100 ? 0 : pat[i]), "byte ", i, " after release");
   gr.g->barrier();
-  return "symmetric ok";
+  return "symmetric ok" + modes(*gr.g);
+}
+
+// The stream-ordered flags between rank processes, alone. Each round every rank fills its own
+// symmetric part with the round's pattern on its copy stream (on one rank in turn behind a
+// host callback that sleeps 50 ms, so its fill and post come late), posts ag_ready, waits for
+// every peer's, copies every peer's part into private memory on the same stream, then posts
+// and waits for ag_done before the next fill. A wait that did not order the copy after the
+// peer's fill reads the previous round's pattern; one that did not hold the next fill back
+// lets a peer copy a pattern from the future.
+inline std::string scenario_flags(const RankCtx& c, int sync) {
+  cuda::CudaGroupOptions opt;
+  opt.sync = sync;
+  Group gr = make_group(c, opt);
+  cuda::CudaGroup& g = *gr.g;
+  using F = cuda::CudaGroup::FlagId;
+  const size_t n = size_t(1) << 20;
+  auto part = g.allocate_symmetric(n);
+  DevBuf<uint8_t> copied(n * static_cast<size_t>(c.ws));
+  const cudaStream_t s = g.copy_stream();
+  auto pattern = [](int round, int rank) { return static_cast<uint8_t>(round * 16 + rank + 1); };
+  const int rounds = 2 * c.ws + 2;
+  std::vector<uint8_t> host(copied.n);
+  for (int round = 1; round <= rounds; ++round) {
+    g.begin("flags", nullptr, {s});
+    if (round % c.ws == c.rank)
+      TIDE_CUDA_CHECK(cudaLaunchHostFunc(
+          s, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }, nullptr));
+    TIDE_CUDA_CHECK(cudaMemsetAsync(part->local(), pattern(round, c.rank), n, s));
+    const uint64_t ready = g.next(F::kAgReady);
+    g.post(s, F::kAgReady, ready);
+    for (int p = 0; p < c.ws; ++p)
+      if (p != c.rank) g.wait(s, p, F::kAgReady, ready);
+    for (int p = 0; p < c.ws; ++p)
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(copied.p + static_cast<size_t>(p) * n, part->peer(p), n, cudaMemcpyDeviceToDevice, s));
+    const uint64_t done = g.next(F::kAgDone);
+    g.post(s, F::kAgDone, done);
+    for (int p = 0; p < c.ws; ++p)
+      if (p != c.rank) g.wait(s, p, F::kAgDone, done);
+    g.end(nullptr, {s});
+    TIDE_CUDA_CHECK(cudaMemcpy(host.data(), copied.p, host.size(), cudaMemcpyDeviceToHost));
+    for (int p = 0; p < c.ws; ++p)
+      for (size_t i = 0; i < n; i += 4093)
+        TIDE_EXPECT(host[static_cast<size_t>(p) * n + i] == pattern(round, p), "round ", round, ": rank ", c.rank,
+                    " read byte ", i, " of rank ", p, "'s part as ", int(host[static_cast<size_t>(p) * n + i]),
+                    ", the round's pattern is ", int(pattern(round, p)));
+  }
+  g.barrier();
+  return detail::concat("flags ok, ", rounds, " rounds", modes(g));
 }
 
 // After an all-gather: every rank's shard of every parameter (fresh data from make_data,
@@ -232,7 +285,7 @@ inline std::string scenario_all_gather(const RankCtx& c, DType shard_t, DType st
   if (shard_t == storage_t) TIDE_EXPECT(used == 0, "equal-dtype all-gather launched ", used, " kernels");
   expect_all_gathered(c, layout, shard_t, storage_t, storages, "");
   gr.g->barrier();
-  return "all-gather ok, kernels launched: " + std::to_string(used);
+  return "all-gather ok, kernels launched: " + std::to_string(used) + modes(*gr.g);
 }
 
 // The inter-node engine of the across-nodes scenarios: device bytes through the file store
@@ -319,7 +372,7 @@ inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DT
   const plan::Topology topo{c.ws, local, c.ws / local};
   auto store = std::shared_ptr<Store>(make_file_store(c.dir).release());
   cuda::CudaGroupOptions opt;
-  opt.timeout = std::chrono::seconds(60);
+  opt.timeout = std::chrono::milliseconds(c.timeout_ms);
   cuda::CudaGroup g(store, detail::concat("node", topo.node_of(c.rank)), topo.local_rank(c.rank), local, 0, opt);
   const size_t ses = dtype_size(shard_t), des = dtype_size(storage_t);
   const plan::GroupLayout layout = test_layout(c.ws, static_cast<int64_t>(des));
@@ -360,7 +413,7 @@ inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DT
   }
   TIDE_EXPECT(topo.num_nodes == 1 || engine.bytes() > 0, "nothing went through the engine");
   return detail::concat("all-gather across ", topo.num_nodes, " x ", local, " pseudo-nodes ok, ", engine.bytes(),
-                        " bytes through the engine");
+                        " bytes through the engine", modes(g));
 }
 
 // A TIDE-RS call's inputs on this rank (fresh gradients in device memory, an fp32 output
@@ -440,7 +493,8 @@ inline std::string scenario_reduce_scatter(const RankCtx& c, DType grad_t, Reduc
     return static_cast<float>(want);
   });
   gr.g->barrier();
-  return "reduce-scatter ok, slots " + std::to_string(rep.num_slots) + " x " + std::to_string(rep.slot_bytes) + " bytes";
+  return "reduce-scatter ok, slots " + std::to_string(rep.num_slots) + " x " + std::to_string(rep.slot_bytes) + " bytes" +
+         modes(*gr.g);
 }
 
 // TIDE-RS across pseudo-nodes on one GPU (the nodes of scenario_all_gather_nodes; the
@@ -453,7 +507,7 @@ inline std::string scenario_reduce_scatter_nodes(const RankCtx& c, DType grad_t,
   const plan::Topology topo{c.ws, local, c.ws / local};
   auto store = std::shared_ptr<Store>(make_file_store(c.dir).release());
   cuda::CudaGroupOptions opt;
-  opt.timeout = std::chrono::seconds(60);
+  opt.timeout = std::chrono::milliseconds(c.timeout_ms);
   opt.staging_bytes = static_cast<size_t>(2 * c.ws * 1024);  // 2 slots x ws pieces of 1 KiB
   opt.rs_ctas = 3;
   cuda::CudaGroup g(store, detail::concat("node", topo.node_of(c.rank)), topo.local_rank(c.rank), local, 0, opt);
@@ -478,7 +532,7 @@ inline std::string scenario_reduce_scatter_nodes(const RankCtx& c, DType grad_t,
   TIDE_EXPECT(topo.num_nodes == 1 || engine.bytes() > 0, "nothing went through the engine");
   g.barrier();
   return detail::concat("reduce-scatter across ", topo.num_nodes, " x ", local, " pseudo-nodes ok, ", rep.partial_bytes,
-                        " B of partials, ", engine.bytes(), " bytes through the engine");
+                        " B of partials, ", engine.bytes(), " bytes through the engine", modes(g));
 }
 
 inline std::string scenario_rs_errors(const RankCtx& c) {
@@ -518,13 +572,13 @@ inline std::string scenario_rs_errors(const RankCtx& c) {
   }
   TIDE_EXPECT(threw, "TIDE_CUDA_CHECK message");
   gr.g->barrier();
-  return "errors ok";
+  return "errors ok" + modes(*gr.g);
 }
 
 }  // namespace sc
 
 inline std::vector<std::string> scenario_names() {
-  return {"symmetric",     "ag_bf16",      "ag_f32",      "ag_cast_f32_bf16", "ag_bf16_hostsync", "rs_bf16_sum",
+  return {"symmetric",     "flags",        "flags_hostsync", "ag_bf16",      "ag_f32",      "ag_cast_f32_bf16", "ag_bf16_hostsync", "rs_bf16_sum",
           "rs_bf16_avg",   "rs_f16_sum",   "rs_f32_premul", "rs_bf16_sum_hostsync", "rs_bf16_sum_bigstaging",
           "rs_errors",     "ag_nodes_bf16", "ag_nodes_cast_f32_bf16",
           "rs_nodes_bf16_sum", "rs_nodes_f32_avg", "rs_nodes_f16_premul"};
@@ -549,6 +603,8 @@ std::string run_scenario(const RankCtx& c) {
   }
   const size_t small = static_cast<size_t>(2 * c.ws * 1024);  // 2 slots x ws pieces of 1 KiB
   if (s == "symmetric") return scenario_symmetric(c);
+  if (s == "flags") return scenario_flags(c, 0);
+  if (s == "flags_hostsync") return scenario_flags(c, 1);
   if (s == "ag_bf16") return scenario_all_gather(c, DType::bf16, DType::bf16, 0);
   if (s == "ag_f32") return scenario_all_gather(c, DType::f32, DType::f32, 0);
   if (s == "ag_cast_f32_bf16") return scenario_all_gather(c, DType::f32, DType::bf16, 0);

@@ -1,55 +1,70 @@
 #!/usr/bin/env bash
-# TIDE's GPU checks, sized for the one-H200 lease: 15 minutes of device time in all (the
-# machine's start included), at most 10 per command, 64 MiB of carried build outputs.
-# tests/gpu/README.md says how to run them; in short:
-#   here (CPU):  tests/gpu/prepare                      builds and strips build/gpu-carry
-#                tests/gpu/run.sh --dry-run             the plan: steps, limits, their sums, carried size
-#   device:      tests/gpu/run.sh 1   (carry build/gpu-carry, timeout_s 480)   C++ checks, benchmarks
-#                tests/gpu/run.sh 2   (timeout_s 480)                            tide._C, doctor, pytest
+# TIDE's GPU checks in ONE device command, sized for the one-H200 lease: 15 minutes of device
+# time in all (the machine's start included), at most 10 per command, 64 MiB of carried build
+# outputs. Nothing is compiled on the device. tests/gpu/README.md says how; in short:
+#   here (CPU):  tests/gpu/prepare              builds and strips build/gpu-carry (tide._C too)
+#                tests/gpu/run.sh --dry-run     the plan: every step, its limit, the sum, the carry
+#   device:      tests/gpu/run.sh               carry ["build/gpu-carry"], timeout_s 480
 #
-# Every step runs under its own time limit, reports PASS / FAIL / SKIP with the reason, and
-# never stops the steps after it (no set -e); tests run before benchmarks. Strict by default
-# (TIDE_GPU_STRICT=1): on a GPU machine a check that could not run is a failure, so a skip
-# fails, naming the check and why (TIDE_GPU_STRICT=0 only to try the script elsewhere). The
-# exit status is the number of steps that did not pass. Logs and results go to $OUT (the
-# device tool's folder that comes back) or build/gpu-run.
+# Steps, most valuable first (a lease that ends early still returns the first ones): the
+# doctor (does the carried tide._C load, what the device offers), the FSDP2-on-CUDA pytest
+# (TIDE vs stock FSDP2, ranks sharing the GPU), the CUDA scenarios, the GoogleTest probe and
+# kernel tests, the benchmarks. Each runs under its own time limit, reports PASS / FAIL / SKIP
+# with the reason and never stops the steps after it (no set -e). Strict by default
+# (TIDE_GPU_STRICT=1): on a GPU machine a check that could not run fails, naming itself and
+# why; the scenarios must also take the modes an H200 offers (device flags, batched copies,
+# vmm memory). The exit status is the number of steps that did not pass.
 #
+# Results as they come, so a kill at any moment still returns what finished ($OUT, the device
+# tool's folder that comes back, else build/gpu-run; at most 8 files come back):
+#   run.log        everything printed
+#   results.jsonl  one JSON line per result (pytest test, scenario, benchmark figure, step), flushed
+#   summary.txt    the steps' verdicts
+#   cuda_<gpu>.json  the benchmark's figures (docs/model.md's --calibrate keys)
+#
+# TIDE_DEBUG=1 during the run (every path choice and mode is logged), group timeouts shorter
+# than the kill of their step (a hang reports each rank's flags instead of dying silently).
 # CUDA_DEVICE_MAX_CONNECTIONS=32: TIDE's streams wait on peers' flags (cuStreamWaitValue32);
 # with fewer hardware queues than busy streams, a waiting stream shares a queue with other
-# streams and holds back whatever is queued behind it there (compute, NCCL): false
-# dependencies that stall a test or, across ranks, deadlock it.
+# streams and holds back whatever is queued behind it there: false dependencies that stall a
+# test or, across ranks, deadlock it.
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 dry=0
 if [ "${1:-}" = --dry-run ]; then dry=1; shift; fi
-part=${1:-all}
-case "$part" in 1 | 2 | all) ;; *) echo "tests/gpu/run.sh: unknown part '$part' (1, 2 or all)" >&2; exit 2 ;; esac
+if [ $# -gt 0 ]; then echo "tests/gpu/run.sh: unexpected argument '$1' (one command: no parts)" >&2; exit 2; fi
 strict=${TIDE_GPU_STRICT:-1}
 carry=build/gpu-carry
-torch_build=build/gpu-torch
 out=${OUT:-build/gpu-run}
 mkdir -p "$out"
+results="$out/results.jsonl"
+device_timeout=480  # the device tool's timeout_s for this command
+grace=5             # seconds a step gets after its limit to end before it is killed
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
-export PYTHONUNBUFFERED=1
-strict_flag=(); [ "$strict" = 1 ] && strict_flag=(--strict)
+export PYTHONUNBUFFERED=1 TIDE_DEBUG=${TIDE_DEBUG:-1} USE_LIBUV=0
+export TIDE_BUILD="$root/$carry/torch" PYTHONPATH="$root/python" TIDE_RESULTS_JSONL="$results"
 # cuBLAS for the benchmark: the toolkit's, else the one torch's wheels bring.
 cublas=$(python3 -c "import nvidia.cublas as m, os; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null || true)
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64${cublas:+:$cublas}
 
+# One JSON line: json_line key value ... (values are strings).
+json_line() {
+  python3 -c 'import json, sys; a = sys.argv[1:]; print(json.dumps(dict(zip(a[::2], a[1::2]))))' "$@" >> "$results"
+}
+
 names=(); verdicts=(); planned=0
-grace=10  # seconds a step gets after its limit to end before it is killed
 # step NAME LIMIT_S COMMAND...: runs COMMAND (a shell function or program) with a time limit,
-# its output to the console and to $out/<NAME>.log, and records PASS / FAIL / SKIP.
+# its output to the console and run.log, and records PASS / FAIL / SKIP.
 step() {
   local name=$1 limit=$2; shift 2
   planned=$(( planned + limit + grace ))
   if [ "$dry" = 1 ]; then
-    printf '  %-30s %4d s   %s\n' "$name" "$limit" "$*"
+    printf '  %-24s %4d s   %s\n' "$name" "$limit" "$*"
     return
   fi
   echo "== $name (limit ${limit} s): $*"
-  local log="$out/${name// /_}.log" start rc verdict
+  local log="$out/.step.log" start rc verdict
   start=$(date +%s)
   # A new bash runs the step, so shell functions work under timeout (they are exported);
   # the pipe ends only when tee has written the whole log, which the verdict reads.
@@ -64,39 +79,60 @@ step() {
     verdict="SKIP (pytest: $(grep -E '[0-9]+ skipped' "$log" | tail -n 1))"
   fi
   if [ "$strict" = 1 ] && [ "${verdict#SKIP}" != "$verdict" ]; then verdict="FAIL (strict: $verdict)"; fi
-  echo "== $name: $verdict in $(( $(date +%s) - start )) s"
+  local seconds=$(( $(date +%s) - start ))
+  echo "== $name: $verdict in $seconds s"
+  json_line step "$name" verdict "$verdict" seconds "$seconds" limit "$limit"
   names+=("$name"); verdicts+=("$verdict")
+  rm -f "$log"
 }
 
 need() {  # need PATH: exit 77 (skip) naming what is missing
   [ -e "$1" ] || { echo "missing $1 (run tests/gpu/prepare here and carry build/gpu-carry)"; return 77; }
 }
-selftest() { need "$carry/bin/tide_cuda_selftest" || return; "$carry/bin/tide_cuda_selftest" "$@"; }
-ipc_selftest() { TIDE_CUDA_SYMMETRIC=ipc selftest "$@"; }
-gtests() { need "$carry/bin/tide_cuda_tests" || return; "$carry/bin/tide_cuda_tests" "$@"; }
+doctor() {
+  need "$TIDE_BUILD/python/tide" || return
+  local want have
+  want=$(cat "$TIDE_BUILD/torch-version")
+  have=$(python3 -c "import torch; print(torch.__version__.split('+')[0])") || return
+  [ "$want" = "$have" ] || { echo "FAIL: tide._C was built for torch $want, this machine runs $have"; return 1; }
+  python3 -m tide.doctor
+}
+gpu_pytest() {
+  local extra=()
+  python3 -c "import pytest_timeout" 2>/dev/null && extra+=(--timeout 150)
+  # Tests in parallel where pytest-xdist is installed: each test's ranks are processes on the
+  # one GPU, and most of a test's time is starting them.
+  python3 -c "import xdist" 2>/dev/null && extra+=(-n 4)
+  # With them, that this python reads torch's FSDP2 as the adapter expects (3.12 tokenizes
+  # f-strings apart: the fingerprints must not change with it).
+  TIDE_STRICT_SKIPS="$strict" python3 -m pytest -q -rs -p no:cacheprovider "${extra[@]}" \
+    tests/python/test_cuda_backend.py tests/python/test_fsdp_cuda.py \
+    tests/python/test_fsdp_install.py::test_this_torch_gets_the_adapter_written_for_it \
+    tests/python/test_fsdp_install.py::test_fingerprints_read_fstrings_as_their_source_text
+}
+# The scenarios: ws 1, 2, 4 with the default (vmm) symmetric memory, then ws 2 over cudaIpc
+# memory; each scenario's group times out after half its 24 s limit.
+selftest() {
+  need "$carry/bin/tide_cuda_selftest" || return
+  local strict_flag=()
+  [ "$strict" = 1 ] && strict_flag=(--strict)
+  "$carry/bin/tide_cuda_selftest" "${strict_flag[@]}" --limit 24 --jobs 4 --jsonl "$results" \
+    --expect flags=device,copies=batched,memory=vmm 1 2 4 &&
+    TIDE_CUDA_SYMMETRIC=ipc "$carry/bin/tide_cuda_selftest" "${strict_flag[@]}" --limit 24 --jobs 4 \
+      --jsonl "$results" --expect flags=device,copies=batched,memory=ipc --only symmetric,flags,ag_bf16,rs_bf16_sum 2
+}
+gtests() {
+  need "$carry/bin/tide_cuda_tests" || return
+  "$carry/bin/tide_cuda_tests" --gtest_filter=-All/CudaCollectives.*
+}
 bench() {
   need "$carry/bin/tide_bench_cuda" || return
   local gpu
   gpu=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_-')
-  "$carry/bin/tide_bench_cuda" "$out/cuda_${gpu:-gpu}.json"
+  "$carry/bin/tide_bench_cuda" "$out/cuda_${gpu:-gpu}.json" "$results"
 }
-build_torch_extension() {
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" || return
-  cmake -S . -B "$torch_build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DPython3_EXECUTABLE="$(command -v python3)" > "$out/cmake.log" 2>&1 ||
-    { tail -n 30 "$out/cmake.log"; return 1; }
-  cmake --build "$torch_build" -j "$(nproc)" --target tide_C
-}
-doctor() { TIDE_BUILD="$torch_build" PYTHONPATH=python python3 -m tide.doctor; }
-gpu_pytest() {
-  local extra=()
-  python3 -c "import pytest_timeout" 2>/dev/null && extra=(--timeout 90)
-  TIDE_BUILD="$torch_build" PYTHONPATH=python TIDE_STRICT_SKIPS="$strict" USE_LIBUV=0 \
-    python3 -m pytest -q -rs -p no:cacheprovider "${extra[@]}" tests/python/test_cuda_backend.py tests/python/test_fsdp_cuda.py
-}
-
-export -f need selftest ipc_selftest gtests bench build_torch_extension doctor gpu_pytest
-export carry torch_build out strict grace
+export -f need doctor gpu_pytest selftest gtests bench json_line
+export carry out strict results
 
 if [ "$dry" = 1 ]; then
   echo "tests/gpu/run.sh: the plan (nothing runs). Strict: $strict. CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
@@ -105,31 +141,24 @@ if [ "$dry" = 1 ]; then
   else
     echo "carry: $carry is missing: run tests/gpu/prepare first"
   fi
+  echo "one command: tests/gpu/run.sh  (device tool: carry [\"$carry\"], timeout_s $device_timeout)"
+else
+  exec > >(tee -a "$out/run.log") 2>&1  # everything printed, also past the reply's tail
+  echo "== tests/gpu/run.sh on $(hostname) at $(date -u +%FT%TZ), carry built from $(cat "$carry/commit" 2>/dev/null || echo '?'), strict $strict"
+  json_line step start commit "$(cat "$carry/commit" 2>/dev/null || echo '?')" strict "$strict"
 fi
-if [ "$part" = 1 ] || [ "$part" = all ]; then
-  [ "$dry" = 1 ] && echo "command 1: tests/gpu/run.sh 1  (device tool: carry [\"$carry\"], timeout_s 480)"
-  before=$planned
-  step "cuda scenarios ws 1 2 4" 180 selftest "${strict_flag[@]}" --limit 30 1 2 4
-  step "cuda scenarios ipc ws 2" 50 ipc_selftest "${strict_flag[@]}" --limit 30 2
-  step "gtest probe and kernels" 50 gtests --gtest_filter=-All/CudaCollectives.*
-  step "benchmarks" 110 bench
-  [ "$dry" = 1 ] && echo "  sum of limits, command 1: $(( planned - before )) s (with ${grace} s grace a step)"
-fi
-if [ "$part" = 2 ] || [ "$part" = all ]; then
-  [ "$dry" = 1 ] && echo "command 2: tests/gpu/run.sh 2  (device tool: timeout_s 480; tide._C is built there)"
-  before=$planned
-  step "build tide._C" 170 build_torch_extension
-  step "doctor" 20 doctor
-  step "pytest cuda" 200 gpu_pytest
-  [ "$dry" = 1 ] && echo "  sum of limits, command 2: $(( planned - before )) s (with ${grace} s grace a step)"
-fi
+step "doctor" 20 doctor
+step "pytest cuda" 200 gpu_pytest
+step "cuda scenarios" 110 selftest
+step "gtest probe and kernels" 30 gtests
+step "benchmarks" 85 bench
 if [ "$dry" = 1 ]; then
-  echo "sum of all limits: $planned s (each command under its 480 s device timeout; 15 min of device time in all)"
+  echo "sum of all limits: $planned s (with ${grace} s grace a step; the command's timeout_s is $device_timeout; 15 min of device time in all)"
   exit 0
 fi
 
-echo "== summary (strict: $strict; logs in $out)"
+echo "== summary (strict: $strict; results in $out)"
 for i in "${!names[@]}"; do
-  printf '  %-30s %s\n' "${names[$i]}" "${verdicts[$i]}"
+  printf '  %-24s %s\n' "${names[$i]}" "${verdicts[$i]}"
 done | tee "$out/summary.txt"
 exit "$(grep -vc ' PASS$' "$out/summary.txt" || true)"

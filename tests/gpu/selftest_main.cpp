@@ -1,31 +1,91 @@
 // GoogleTest-free runner of the CUDA scenarios (the H200 machine has no GoogleTest):
-//   tide_cuda_selftest [--strict] [--limit S] [--only a,b] [probe | ws ...]   (default ws 1 2 4)
-// Each scenario runs as one process per rank (cuda_harness.hpp), killed after S seconds
-// (default 30), so one hang costs S, not the whole run. Prints PASS / FAIL per scenario and
-// world size. Without a usable device it says why (the device-count child's own exit and
-// output: a driver/runtime mismatch is not "no GPU") and lists every check it could not
-// run; that is exit 77 ("SKIP"), or, with --strict (what tests/gpu/run.sh uses), exit 1.
-// An unknown --only name is exit 2.
+//   tide_cuda_selftest [--strict] [--limit S] [--jobs N] [--only a,b] [--jsonl FILE]
+//                      [--expect flags=device,copies=batched,memory=vmm] [probe | ws ...]
+// (default ws 1 2 4). Each scenario runs as one process per rank (cuda_harness.hpp), killed
+// after S seconds (default 30; the ranks' groups time out after S/2 and report their flags),
+// N scenarios at a time (default 1). Prints PASS / FAIL per scenario and world size, and
+// appends one JSON line per result to FILE as it comes. --expect: the modes every group must
+// have taken (each scenario reports them; "_hostsync" scenarios ask for host flags and are
+// held to that instead); a group that fell back fails its scenario. Without a usable device
+// it says why (the device-count child's own exit and output: a driver/runtime mismatch is
+// not "no GPU") and lists every check it could not run; that is exit 77 ("SKIP"), or, with
+// --strict (what tests/gpu/run.sh uses), exit 1. An unknown --only name is exit 2.
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "cuda_harness.hpp"
 #include "cuda_scenarios.hpp"
 
+namespace {
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\', o += ch;
+    else if (ch == '\n') o += "\\n";
+    else if (static_cast<unsigned char>(ch) < 0x20) o += ' ';
+    else o += ch;
+  }
+  return o;
+}
+
+// "key=value,key=value" -> map.
+std::map<std::string, std::string> parse_modes(const std::string& text, char sep) {
+  std::map<std::string, std::string> m;
+  std::istringstream is(text);
+  for (std::string kv; std::getline(is, kv, sep);) {
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+// Why a rank's reported modes differ from the expected ones ("" when they agree).
+std::string modes_mismatch(const std::string& scenario, const std::string& text,
+                           std::map<std::string, std::string> want) {
+  if (want.empty()) return "";
+  const auto at = text.find("[modes: ");
+  if (at == std::string::npos) return "";  // a scenario without a group (the probe)
+  const auto end = text.find(']', at);
+  const auto got = parse_modes(text.substr(at + 8, end - at - 8), ' ');
+  if (scenario.size() > 9 && scenario.compare(scenario.size() - 9, 9, "_hostsync") == 0) want["flags"] = "host";
+  std::string why;
+  for (const auto& [k, v] : want) {
+    const auto it = got.find(k);
+    if (it == got.end() || it->second != v)
+      why += " " + k + "=" + (it == got.end() ? std::string("?") : it->second) + " (expected " + v + ")";
+  }
+  return why;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   tide::cudatest::child_main_if_requested();
   bool strict = false, probe_only = false;
-  int limit = 30;
+  int limit = 30, jobs = 1;
   std::set<std::string> only;
   std::vector<int> sizes;
+  std::string jsonl;
+  std::map<std::string, std::string> expect;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--strict") {
       strict = true;
     } else if (a == "--limit" && i + 1 < argc) {
       limit = std::atoi(argv[++i]);
+    } else if (a == "--jobs" && i + 1 < argc) {
+      jobs = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--jsonl" && i + 1 < argc) {
+      jsonl = argv[++i];
+    } else if (a == "--expect" && i + 1 < argc) {
+      expect = parse_modes(argv[++i], ',');
     } else if (a == "--only" && i + 1 < argc) {
       std::istringstream is(argv[++i]);
       for (std::string n; std::getline(is, n, ',');) only.insert(n);
@@ -45,31 +105,64 @@ int main(int argc, char** argv) {
   }
   const std::vector<std::string> none;
   const auto seconds = std::chrono::seconds(limit);
+  std::mutex out_mutex;
+  FILE* json = jsonl.empty() ? nullptr : std::fopen(jsonl.c_str(), "a");
+  const char* symmetric = std::getenv("TIDE_CUDA_SYMMETRIC");
+  auto record = [&](const std::string& name, int ws, bool ok, double secs, const std::string& text) {
+    std::lock_guard<std::mutex> lock(out_mutex);
+    std::printf("%s %s ws=%d (%.1f s)\n%s", ok ? "PASS" : "FAIL", name.c_str(), ws, secs, text.c_str());
+    std::fflush(stdout);
+    if (json) {
+      std::fprintf(json,
+                   "{\"step\": \"cuda scenarios\", \"scenario\": \"%s\", \"ws\": %d, \"symmetric\": \"%s\", "
+                   "\"ok\": %s, \"seconds\": %.2f, \"text\": \"%s\"}\n",
+                   name.c_str(), ws, symmetric ? symmetric : "auto", ok ? "true" : "false", secs,
+                   json_escape(text).c_str());
+      std::fflush(json);
+    }
+  };
 
   std::string why_no_device;
   if (tide::cudatest::device_count(none, &why_no_device) == 0) {
     std::printf("%s: no usable CUDA device: %s\n", strict ? "FAIL" : "SKIP", why_no_device.c_str());
-    std::printf("not run: probe");
+    std::string not_run = "probe";
     if (!probe_only)
       for (int ws : sizes)
-        for (const std::string& n : names) std::printf(", %s ws=%d", n.c_str(), ws);
-    std::printf("\n");
+        for (const std::string& n : names) not_run += ", " + n + " ws=" + std::to_string(ws);
+    std::printf("not run: %s\n", not_run.c_str());
+    record("no device", 0, false, 0, why_no_device + "; not run: " + not_run + "\n");
     return strict ? 1 : 77;
   }
-  int failed = 0, passed = 0;
-  auto probe = tide::cudatest::run_ranks("probe", 1, none, seconds);
-  std::printf("%s probe: %s", tide::cudatest::all_ok(probe) ? "PASS" : "FAIL", tide::cudatest::summary(probe).c_str());
-  tide::cudatest::all_ok(probe) ? ++passed : ++failed;
-  std::fflush(stdout);
-  for (int ws : probe_only ? std::vector<int>{} : sizes)
-    for (const std::string& name : names) {
-      auto out = tide::cudatest::run_ranks(name, ws, none, seconds);
-      const bool ok = tide::cudatest::all_ok(out);
-      std::printf("%s %s ws=%d\n", ok ? "PASS" : "FAIL", name.c_str(), ws);
-      if (!ok) std::printf("%s", tide::cudatest::summary(out).c_str());
-      std::fflush(stdout);
-      ok ? ++passed : ++failed;
+  std::atomic<int> failed{0}, passed{0};
+  auto run_one = [&](const std::string& name, int ws) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto out = tide::cudatest::run_ranks(name, ws, none, seconds);
+    bool ok = tide::cudatest::all_ok(out);
+    std::string text;
+    for (size_t r = 0; ok && r < out.size(); ++r) {
+      const std::string why = modes_mismatch(name, out[r].text, expect);
+      if (!why.empty()) {
+        ok = false;
+        text += "rank " + std::to_string(r) + " fell back:" + why + "\n";
+      }
     }
-  std::printf("%d passed, %d failed\n", passed, failed);
+    text += ok ? "  " + out[0].text : tide::cudatest::summary(out);
+    record(name, ws, ok, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), text);
+    ok ? ++passed : ++failed;
+  };
+  run_one("probe", 1);
+  std::vector<std::pair<std::string, int>> work;
+  for (int ws : probe_only ? std::vector<int>{} : sizes)
+    for (const std::string& name : names) work.emplace_back(name, ws);
+  // N workers take the next scenario: the parent only forks and waits (no CUDA here).
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> workers;
+  for (int j = 0; j < jobs; ++j)
+    workers.emplace_back([&] {
+      for (size_t i; (i = next++) < work.size();) run_one(work[i].first, work[i].second);
+    });
+  for (auto& w : workers) w.join();
+  std::printf("%d passed, %d failed\n", passed.load(), failed.load());
+  if (json) std::fclose(json);
   return failed ? 1 : 0;
 }

@@ -1,4 +1,5 @@
-// The fp32 accumulation kernel against a host fp32 sum in the same source order (bitwise).
+// The fp32 accumulation kernel on the GPU against a host fp32 sum in the same order (bitwise);
+// tests/cpp/test_kernel_bodies.cpp runs the same arithmetic on the CPU in every CI run.
 // Compiled and linked on every build; skips where there is no CUDA device.
 #include <gtest/gtest.h>
 
@@ -55,15 +56,14 @@ TEST_P(CudaAccumulate, MatchesHostFp32SumInSourceOrder) {
   cudaMemcpy(dst, init.data(), (count + offset) * 4, cudaMemcpyHostToDevice);
   const float scale = 0.125f;
   ASSERT_EQ(tide::cuda::launch_accumulate_f32(dst + offset, srcs, tide::DType::bf16, count, scale,
-                                              /*accumulate=*/true, 4, nullptr),
+                                              /*carry=*/true, 4, nullptr),
             cudaSuccess);
   std::vector<float> got(count + offset);
   cudaMemcpy(got.data(), dst, (count + offset) * 4, cudaMemcpyDeviceToHost);
   for (size_t i = 0; i < count; ++i) {
-    float acc = 0.f;
-    for (int s = 0; s < nsrc; ++s) acc += from_bf16(host[s][i + offset]);
-    volatile float scaled = scale * acc;  // no FMA contraction on the host either
-    float want = init[i + offset] + scaled;
+    volatile float acc = init[i + offset];  // the carried sum, then the sources in order
+    for (int s = 0; s < nsrc; ++s) acc = acc + from_bf16(host[s][i + offset]);
+    volatile float want = scale * acc;
     ASSERT_EQ(got[i + offset], want) << "element " << i;
   }
   for (auto p : dev) cudaFree(p);

@@ -10,24 +10,14 @@
 namespace {
 
 using tide::cudatest::run_ranks;
-
-const std::vector<std::string>& child_args() {
-  static const std::vector<std::string> a{"--gtest_filter=CudaChild.Run"};
-  return a;
-}
-
-// The re-executed binary lands here (and only here) in every rank process.
-TEST(CudaChild, Run) {
-  tide::cudatest::child_main_if_requested();
-  GTEST_SKIP() << "only runs as a rank process of the CUDA tests";
-}
+const std::vector<std::string> kNoArgs;  // rank processes start in gtest_main.cpp's main()
 
 class CudaCollectives : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(CudaCollectives, Scenario) {
-  if (tide::cudatest::device_count(child_args()) == 0) GTEST_SKIP() << "no CUDA device";
+  if (tide::cudatest::device_count(kNoArgs) == 0) GTEST_SKIP() << "no CUDA device";
   auto [name, ws] = GetParam();
-  auto out = run_ranks(name, ws, child_args());
+  auto out = run_ranks(name, ws, kNoArgs);
   EXPECT_TRUE(tide::cudatest::all_ok(out)) << tide::cudatest::summary(out);
 }
 
@@ -37,12 +27,9 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::get<0>(info.param) + "_ws" + std::to_string(std::get<1>(info.param)); });
 
 TEST(CudaProbe, RunsAndPicksAPath) {
-  if (tide::cudatest::device_count(child_args()) == 0) GTEST_SKIP() << "no CUDA device";
-  for (int ws : {1, 2}) {
-    auto out = run_ranks("probe", 1, child_args());
-    EXPECT_TRUE(tide::cudatest::all_ok(out)) << tide::cudatest::summary(out);
-    (void)ws;
-  }
+  if (tide::cudatest::device_count(kNoArgs) == 0) GTEST_SKIP() << "no CUDA device";
+  auto out = run_ranks("probe", 1, kNoArgs);
+  EXPECT_TRUE(tide::cudatest::all_ok(out)) << tide::cudatest::summary(out);
 }
 
 }  // namespace

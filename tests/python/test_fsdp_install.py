@@ -25,6 +25,20 @@ def test_this_torch_gets_the_adapter_written_for_it():
     assert tf.generation() == EXPECTED_GENERATION[TORCH]
 
 
+def test_fingerprints_read_fstrings_as_their_source_text():
+    """Python 3.12 splits an f-string into tokens (PEP 701) where 3.11 gives one STRING token;
+    the fingerprint takes each f-string as its source text on both, so one torch has one
+    fingerprint whichever Python runs it (CI runs 3.11, the GPU machine 3.12: before this,
+    the same torch 2.11 looked changed there and FSDP2 silently took its stock path)."""
+    src = ('def f(x, y):\n'
+           '    a = f"a{x!r:>{y}}{{b}}" + F\'{x}\'\n'
+           '    return f"""c\n{x + 1}""", rf"\\{y}" + "plain"\n')
+    toks = _fingerprint._tokens(src)
+    for literal in ['f"a{x!r:>{y}}{{b}}"', "F'{x}'", 'f"""c\n{x + 1}"""', 'rf"\\{y}"', '"plain"']:
+        assert literal in toks, (literal, toks)
+    assert toks.count("NEWLINE") == 3 and "+" in toks
+
+
 def test_import_installs_the_adapters_seams():
     adapter = tf._installed
     for target, replacement in adapter.SEAMS.items():

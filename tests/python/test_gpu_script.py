@@ -1,7 +1,8 @@
-"""The GPU checks' own honesty, proven on any machine (tests/gpu): the dry run of the two
-device commands fits the lease, and strict mode turns every check that cannot run into a
+"""The GPU checks' own honesty, proven on any machine (tests/gpu): the dry run of the one
+device command fits the lease, and strict mode turns every check that cannot run into a
 failure that names it and why, in the C++ scenario runner and in pytest alike. On a GPU
 machine the same checks must pass instead."""
+import json
 import os
 import re
 import subprocess
@@ -18,17 +19,36 @@ def test_dry_run_fits_the_lease():
     run = subprocess.run(["bash", "tests/gpu/run.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stderr
-    # Each command's limits, with each step's grace to end, within 7.5 of the 8 minutes a
-    # command may take (the summary is written after the last step).
-    sums = [int(s) for s in re.findall(r"sum of limits, command \d: (\d+) s \(with (?:\d+) s grace", run.stdout)]
-    assert len(sums) == 2 and all(s <= 450 for s in sums), run.stdout
-    steps = re.findall(r"^  (\S.*?)\s+(\d+) s   ", run.stdout, re.M)
+    # One command; its steps' limits, with each step's grace to end, within the 480 s the
+    # machine's start leaves of the lease for one command (and under its own timeout_s).
+    assert "one command: tests/gpu/run.sh  (device tool: carry [\"build/gpu-carry\"], timeout_s 480)" in run.stdout
+    total = int(re.search(r"sum of all limits: (\d+) s \(with (\d+) s grace", run.stdout).group(1))
     grace = int(re.search(r"with (\d+) s grace", run.stdout).group(1))
-    assert sum(int(limit) + grace for _, limit in steps) == sum(sums)
-    assert {"cuda scenarios ws 1 2 4", "build tide._C", "doctor", "pytest cuda"} <= {n for n, _ in steps}
+    steps = re.findall(r"^  (\S.*?)\s+(\d+) s   ", run.stdout, re.M)
+    assert sum(int(limit) + grace for _, limit in steps) == total <= 480, run.stdout
+    # Most valuable first: the FSDP2-on-CUDA pytest before the scenarios, the benchmarks last.
+    names = [n for n, _ in steps]
+    assert names.index("pytest cuda") < names.index("cuda scenarios") < names.index("benchmarks") == len(names) - 1
     assert "carry: build/gpu-carry" in run.stdout
-    unknown = subprocess.run(["bash", "tests/gpu/run.sh", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert unknown.returncode == 2 and "unknown part" in unknown.stderr
+    unknown = subprocess.run(["bash", "tests/gpu/run.sh", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "unexpected argument" in unknown.stderr
+
+
+def test_strict_run_fails_naming_every_check_it_could_not_run(tmp_path):
+    """The whole script here, strict: without a GPU (or a carried build) every step fails and
+    says why; the results come back as JSON lines and a summary even so."""
+    if GPU:
+        pytest.skip("a GPU machine runs the script itself (tests/gpu/run.sh), not through this test")
+    env = {**os.environ, "OUT": str(tmp_path), "TIDE_GPU_STRICT": "1"}
+    run = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=900)
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert run.returncode == len(summary) == 5, run.stdout[-3000:]
+    assert all("FAIL (" in line for line in summary), summary
+    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {x.get("step") for x in lines if "verdict" in x} >= {"doctor", "pytest cuda", "cuda scenarios",
+                                                                "gtest probe and kernels", "benchmarks"}
+    assert (tmp_path / "run.log").read_text().count("== ") >= 10, "run.log holds less than the run printed"
 
 
 def _selftest():

@@ -16,6 +16,14 @@ int error_rank();
 // cuGetErrorString through the run-time resolved driver ("unknown" without a driver).
 const char* driver_error_string(int result);
 
+// Every poll of the CUDA layer goes through these: true when the event's (stream's) work is
+// done, false while it runs, any other answer throws. A cudaEventQuery / cudaStreamQuery
+// answer of cudaErrorNotReady also stays behind as the thread's last error, which the next
+// cudaGetLastError() (torch's kernel-launch checks among them) would report as its own
+// failure; these clear it.
+bool event_done(cudaEvent_t event);
+bool stream_done(cudaStream_t stream);
+
 [[noreturn]] void throw_cuda_error(const char* call, int code, const char* what, const char* file,
                                    int line);
 

@@ -49,6 +49,10 @@ namespace tide::cuda {
 
 enum class SyncMode { device, host };
 
+// Whether this process still submits contiguous copies with cudaMemcpyBatchAsync (compiled in
+// and not refused yet; after a refusal: one cudaMemcpyAsync per copy, logged).
+bool batched_copies();
+
 struct CudaGroupOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   size_t staging_bytes = 0;  // TIDE-RS staging per rank; 0: TIDE_CUDA_STAGING_BYTES or 32 MiB
@@ -78,6 +82,10 @@ class CudaGroup {
   const CudaGroupOptions& options() const { return opt_; }
   const Capabilities& caps() const { return caps_; }
   const PathChoice& allgather_path() const { return ag_path_; }
+  // The modes this group actually took, each of which falls back silently-but-logged where
+  // the device refuses: "flags=device|host copies=batched|single memory=vmm|ipc" (copies:
+  // whether cudaMemcpyBatchAsync has been refused in this process so far).
+  std::string modes() const;
 
   // Collective: every rank passes the size of its own part.
   std::shared_ptr<CudaSymmetricBuffer> allocate_symmetric(size_t bytes);

@@ -1,5 +1,6 @@
 // Every CUDA kernel entry point of TIDE, in one header (kernels live in kernels/*.cu).
-// Host code includes this without needing nvcc: only the CUDA runtime types appear.
+// Host code includes this without needing nvcc: only the CUDA runtime types appear. The
+// kernels run kernels/bodies.hpp, which the CPU tests run too (tests/cpp/test_kernel_bodies.cpp).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -7,27 +8,24 @@
 #include <cuda_runtime_api.h>
 
 #include "tide/dtype.hpp"
+// The kernels' arithmetic (also run on the CPU by the tests); AccumulateSources.
+#include "../../../kernels/bodies.hpp"
 
 namespace tide::cuda {
 
-// Sources reduced by one launch; more are folded in by further launches (accumulate=true).
-constexpr int kMaxAccumulateSources = 16;
-
-struct AccumulateSources {
-  const void* ptr[kMaxAccumulateSources];
-  int count;
-};
-
 // TIDE-RS phase 2, the short-lived CTA kernel:
-//   dst[i] = (accumulate ? dst[i] : 0) + scale * sum_{s in order} float(src_s[i])
-// in fp32, sources summed in the given order (bitwise reproducible). src dtype bf16, f16 or
+//   dst[i] = scale * ((carry ? dst[i] : 0) + float(src_0[i]) + float(src_1[i]) + ...)
+// in fp32, added left to right (bitwise reproducible); `carry`: dst holds the running sum of
+// earlier sources (body::accumulate_in_order chains launches for more than
+// kMaxAccumulateSources sources with the same bits as one launch). src dtype bf16, f16 or
 // f32; dst fp32. Each source is read with 16-byte vector loads when it is 16-byte aligned
 // (the planner aligns staging to kAccumulateAlign), element by element otherwise; the
-// destination is written with 16-byte stores when aligned. `num_ctas` bounds the SMs taken
-// from concurrent compute (0: accumulate_ctas(), from the device).
+// destination is read and written 16 bytes at a time when aligned. `num_ctas` bounds the
+// SMs taken from concurrent compute (0: accumulate_ctas(), from the device). Like every
+// launch_* here, returns this launch's own result, never an error an earlier call left behind.
 constexpr int64_t kAccumulateAlign = 16;
 cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DType src_dtype,
-                                  size_t count, float scale, bool accumulate, int num_ctas,
+                                  size_t count, float scale, bool carry, int num_ctas,
                                   cudaStream_t stream);
 
 // The accumulation's provisioning on the current device: CTAs enough to stream HBM (one
@@ -48,10 +46,6 @@ AccumulateReads accumulate_reads();
 // so a rank casts its own shard once before peers copy it.
 cudaError_t launch_cast(void* dst, DType dst_dtype, const void* src, DType src_dtype, size_t count,
                         cudaStream_t stream);
-
-// dst[i] = scale * dst[i] (fp32, __fmul_rn): the final scaling when more than
-// kMaxAccumulateSources ranks were summed with scale 1.
-cudaError_t launch_scale_f32(float* dst, size_t count, float scale, cudaStream_t stream);
 
 // Kernel launches made through the launch_* functions of this header by this process
 // (for tests: TIDE-AG with equal dtypes must launch none).

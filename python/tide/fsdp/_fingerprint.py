@@ -20,17 +20,45 @@ import textwrap
 import tokenize
 
 _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING}
+# Python 3.12 tokenizes an f-string into FSTRING_START, its parts and FSTRING_END (PEP 701);
+# earlier Pythons give one STRING token. Each f-string counts as its source text on every
+# Python, so one torch has one fingerprint whichever Python runs it.
+_FSTRING_START = getattr(tokenize, "FSTRING_START", None)
+_FSTRING_END = getattr(tokenize, "FSTRING_END", None)
+
+
+def _tokens(source: str) -> list[str]:
+    lines = source.splitlines(keepends=True)
+
+    def text(start, end):  # source between two (row, col) positions, rows from 1
+        (r0, c0), (r1, c1) = start, end
+        if r0 == r1:
+            return lines[r0 - 1][c0:c1]
+        return lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + lines[r1 - 1][:c1]
+
+    out, depth, fstring_start = [], 0, None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if _FSTRING_START is not None and tok.type == _FSTRING_START:
+            if depth == 0:
+                fstring_start = tok.start
+            depth += 1
+            continue
+        if depth:  # inside an f-string (nested ones too): its text is taken at its end
+            if tok.type == _FSTRING_END:
+                depth -= 1
+                if depth == 0:
+                    out.append(text(fstring_start, tok.end))
+            continue
+        if tok.type in _SKIP:
+            continue
+        out.append(tokenize.tok_name[tok.type] if tok.type in (
+            tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE) else tok.string)
+    return out
 
 
 def source_hash(fn) -> str:
     source = textwrap.dedent(inspect.getsource(fn))
-    tokens = []
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type in _SKIP:
-            continue
-        tokens.append(tokenize.tok_name[tok.type] if tok.type in (
-            tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE) else tok.string)
-    return hashlib.sha256("\x1f".join(tokens).encode()).hexdigest()[:16]
+    return hashlib.sha256("\x1f".join(_tokens(source)).encode()).hexdigest()[:16]
 
 
 def resolve(target: str):

@@ -25,14 +25,6 @@ std::shared_ptr<void> make_event() {
   });
 }
 
-// cudaEventQuery without leaving cudaErrorNotReady behind as the thread's last error.
-bool event_done(void* ev) {
-  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev));
-  if (e == cudaSuccess) return true;
-  (void)cudaGetLastError();
-  return false;
-}
-
 [[noreturn]] void raise_failed(const std::string& why) { C10_THROW_ERROR(DistBackendError, why); }
 
 // A collective's Work on CUDA: completion is an event on the issuing stream.
@@ -53,7 +45,7 @@ class WorkTideCuda : public c10d::Work {
     future_->markCompleted(c10::IValue(outputs_));
     finish();  // the host side is done: ends the profiler's record of the call
   }
-  bool isCompleted() override { return !health_->get().empty() || event_done(event_.get()); }
+  bool isCompleted() override { return !health_->get().empty() || tide::cuda::event_done(static_cast<cudaEvent_t>(event_.get())); }
   bool isSuccess() const override { return health_->get().empty(); }
   std::exception_ptr exception() const override {
     const std::string e = health_->get();
@@ -227,12 +219,8 @@ void CudaPath::one_sided_handshake(int device) {
   wire_->bind(s);
   puts_->handshake(std::span<const int>(&to, 1), std::span<const int>(&from, 1));
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
-  for (cudaError_t e = cudaStreamQuery(s);; e = cudaStreamQuery(s)) {
-    if (e == cudaSuccess) break;
-    TIDE_CHECK(e == cudaErrorNotReady, "tide: cuda: rank ", rank_, ": the one-sided handshake failed: ",
-               cudaGetErrorString(e));
+  while (!tide::cuda::stream_done(s)) {
     if (std::chrono::steady_clock::now() > deadline) {
-      (void)cudaGetLastError();
       C10_THROW_ERROR(DistBackendError,
                       tide::detail::concat("tide: cuda: rank ", rank_, ": NCCL's one-sided handshake with ranks ", to,
                                            " and ", from, " did not complete within ", timeout_.count(),
@@ -240,7 +228,6 @@ void CudaPath::one_sided_handshake(int device) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  (void)cudaGetLastError();  // cudaErrorNotReady of the polls
   TIDE_CUDA_CHECK(cudaStreamDestroy(s));
 }
 
@@ -307,7 +294,16 @@ void CudaPath::check_across_ranks(const char* collective, const tide::plan::Grou
   mine.to = static_cast<uint8_t>(to);
   std::vector<uint8_t> bytes(sizeof mine);
   std::memcpy(bytes.data(), &mine, sizeof mine);
-  const auto all = exchange_(bytes);
+  std::vector<std::vector<uint8_t>> all;
+  try {
+    all = exchange_(bytes);
+  } catch (const c10::Error& e) {  // a dead or silent peer: name the collective it failed
+    raise_failed(tide::detail::concat("tide ", collective, ": rank ", rank_, ": checking the ranks' arguments: ",
+                                      e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    raise_failed(tide::detail::concat("tide ", collective, ": rank ", rank_, ": checking the ranks' arguments: ",
+                                      e.what()));
+  }
   for (int r = 0; r < static_cast<int>(all.size()); ++r) {
     if (all[r] == bytes) continue;
     Fingerprint theirs{};
@@ -450,7 +446,15 @@ void CudaPath::watchdog_loop() {
     // Collectives complete in issue order (one stream of work per group): the oldest first.
     while (!pending_.empty()) {
       Pending& p = pending_.front();
-      if (event_done(p.event.get())) {
+      bool done = false;
+      try {
+        done = tide::cuda::event_done(static_cast<cudaEvent_t>(p.event.get()));
+      } catch (const std::exception& e) {  // the device failed (a fault): every later call must know
+        group_->abort(e.what());
+        set_failed(group_->broken_why());
+        break;
+      }
+      if (done) {
         pending_.pop_front();
         continue;
       }

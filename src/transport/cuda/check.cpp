@@ -20,6 +20,18 @@ void throw_cuda_error(const char* call, int code, const char* what, const char* 
                              code, ") at ", base ? base + 1 : file, ":", line));
 }
 
+namespace {
+bool poll_answer(cudaError_t e, const char* call, int line) {
+  if (e == cudaSuccess) return true;
+  (void)cudaGetLastError();  // the answer is handled here, not left for the next check
+  if (e == cudaErrorNotReady) return false;
+  throw_cuda_error(call, static_cast<int>(e), cudaGetErrorString(e), __FILE__, line);
+}
+}  // namespace
+
+bool event_done(cudaEvent_t event) { return poll_answer(cudaEventQuery(event), "cudaEventQuery", __LINE__); }
+bool stream_done(cudaStream_t stream) { return poll_answer(cudaStreamQuery(stream), "cudaStreamQuery", __LINE__); }
+
 }  // namespace tide::cuda
 
 // ---- run-time resolved driver entry points (tide/cuda/driver.hpp) ------------------------

@@ -5,6 +5,7 @@
 
 #include "../../core/env.hpp"
 #include "tide/cuda/check.hpp"
+#include "tide/cuda/group.hpp"
 
 namespace tide::cuda::detail {
 namespace {
@@ -12,8 +13,6 @@ std::atomic<bool> g_batch_ok{CUDART_VERSION >= 12080};
 constexpr size_t kMaxPitch = size_t(1) << 30;  // well under cudaDevAttrMaxPitch
 constexpr size_t kBatchMax = 1024;
 }  // namespace
-
-bool batch_copies_enabled() { return g_batch_ok.load(std::memory_order_relaxed); }
 
 void CopyBatch::add(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return;
@@ -39,7 +38,7 @@ void CopyBatch::flush() {
   if (dst_.empty()) return;
   bool done = false;
 #if CUDART_VERSION >= 12080
-  if (dst_.size() > 1 && batch_copies_enabled()) {
+  if (dst_.size() > 1 && batched_copies()) {
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     attr.srcLocHint.type = cudaMemLocationTypeDevice;
@@ -76,3 +75,7 @@ void CopyBatch::flush() {
 }
 
 }  // namespace tide::cuda::detail
+
+namespace tide::cuda {
+bool batched_copies() { return detail::g_batch_ok.load(std::memory_order_relaxed); }
+}  // namespace tide::cuda

@@ -28,7 +28,4 @@ class CopyBatch {
   size_t bytes_ = 0;
 };
 
-// Whether cudaMemcpyBatchAsync is compiled in and has not been refused yet.
-bool batch_copies_enabled();
-
 }  // namespace tide::cuda::detail

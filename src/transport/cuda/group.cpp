@@ -129,8 +129,12 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   vmm_ = want != "ipc" && vmm_everywhere;
   fds_ = std::make_unique<FdChannel>(*store_, ns_ + "/cuda", rank_, ws_, opt_.timeout);
 
-  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
-  TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+  // High priority, as FSDP2's own communication streams: the few CTAs of a reduce-scatter
+  // that compute waits for are scheduled ahead of that compute's queued CTAs.
+  int least = 0, greatest = 0;
+  TIDE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  TIDE_CUDA_CHECK(cudaStreamCreateWithPriority(&copy_, cudaStreamNonBlocking, greatest));
+  TIDE_CUDA_CHECK(cudaStreamCreateWithPriority(&compute_, cudaStreamNonBlocking, greatest));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[0], cudaEventDisableTiming));
   TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_[1], cudaEventDisableTiming));
@@ -201,7 +205,8 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
   env::log(detail::concat("cuda: rank ", rank_, "/", ws_, " on device ", device_, ": ", slot_bytes_, "-byte slots x ",
                           num_slots_, ", ", rs_ctas_, " accumulate CTAs, ",
                           mode_ == SyncMode::device ? "device" : "host", " flags, ",
-                          vmm_ ? "vmm" : "ipc", " symmetric memory, all-gather path ", path_name(ag_path_.path)));
+                          vmm_ ? "vmm" : "ipc", " symmetric memory, streams at priority ", greatest,
+                          ", all-gather path ", path_name(ag_path_.path)));
 }
 
 CudaGroup::~CudaGroup() {
@@ -224,6 +229,12 @@ CudaGroup::~CudaGroup() {
   for (cudaStream_t st : {copy_, compute_})
     if (st) (void)cudaStreamDestroy(st);
   (void)cudaGetLastError();
+}
+
+std::string CudaGroup::modes() const {
+  return detail::concat("flags=", mode_ == SyncMode::device ? "device" : "host",
+                        " copies=", batched_copies() ? "batched" : "single",
+                        " memory=", vmm_ ? "vmm" : "ipc");
 }
 
 cudaMemPool_t CudaGroup::transient_pool() {
@@ -410,9 +421,7 @@ void CudaGroup::host_wait_stream(cudaStream_t s, const char* what) {
   TIDE_CUDA_CHECK(cudaEventRecord(ev_out_[0], s));
   auto nap = std::chrono::microseconds(5);
   for (;;) {
-    cudaError_t e = cudaEventQuery(ev_out_[0]);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) TIDE_CUDA_CHECK(e);
+    if (event_done(ev_out_[0])) return;
     if (std::chrono::steady_clock::now() > deadline())
       fail(detail::concat("stream work before '", what, "' did not finish (a peer's flag never arrived?)"));
     std::this_thread::sleep_for(nap);
@@ -446,9 +455,7 @@ void CudaGroup::end(cudaStream_t caller, std::initializer_list<cudaStream_t> wor
   auto nap = std::chrono::microseconds(5);
   for (int k = 0; k < i; ++k) {
     for (;;) {
-      cudaError_t e = cudaEventQuery(ev_out_[k]);
-      if (e == cudaSuccess) break;
-      if (e != cudaErrorNotReady) TIDE_CUDA_CHECK(e);
+      if (event_done(ev_out_[k])) break;
       if (const int r = peer_failed(); r >= 0) fail(detail::concat("rank ", r, " aborted"));
       if (std::chrono::steady_clock::now() > deadline()) fail("the collective's streams did not finish");
       std::this_thread::sleep_for(nap);

@@ -1,7 +1,5 @@
 #include "rs_common.hpp"
 
-#include <algorithm>
-
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/kernels.hpp"
 
@@ -73,16 +71,10 @@ void stage_slices(CopyBatch& batch, std::byte* dst, const std::byte* grad, const
 
 void accumulate_in_order(float* dst, std::span<const void* const> srcs, DType src_dtype, size_t count, float scale,
                          int ctas, cudaStream_t stream) {
-  const int n = static_cast<int>(srcs.size());
-  const bool one_launch = n <= kMaxAccumulateSources;
-  AccumulateSources batch{};
-  for (int s0 = 0; s0 < n; s0 += kMaxAccumulateSources) {
-    batch.count = std::min(kMaxAccumulateSources, n - s0);
-    for (int k = 0; k < batch.count; ++k) batch.ptr[k] = srcs[static_cast<size_t>(s0 + k)];
-    TIDE_CUDA_CHECK(launch_accumulate_f32(dst, batch, src_dtype, count, one_launch ? scale : 1.f,
-                                          /*accumulate=*/s0 > 0, ctas, stream));
-  }
-  if (!one_launch && scale != 1.f) TIDE_CUDA_CHECK(launch_scale_f32(dst, count, scale, stream));
+  body::accumulate_in_order(srcs.data(), static_cast<int>(srcs.size()), scale,
+                            [&](const AccumulateSources& batch, float s, bool carry) {
+                              TIDE_CUDA_CHECK(launch_accumulate_f32(dst, batch, src_dtype, count, s, carry, ctas, stream));
+                            });
 }
 
 }  // namespace tide::cuda::detail

@@ -45,7 +45,7 @@ void stage_slices(CopyBatch& batch, std::byte* dst, const std::byte* grad, const
                   size_t es);
 
 // dst[i] = scale * sum over srcs, in their order, of float(src[i]) (fp32), in launches of at
-// most kMaxAccumulateSources sources (then scaled once at the end).
+// most kMaxAccumulateSources sources (body::accumulate_in_order: the bits of one launch).
 void accumulate_in_order(float* dst, std::span<const void* const> srcs, DType src_dtype, size_t count, float scale,
                          int ctas, cudaStream_t stream);
 
