@@ -14,11 +14,11 @@
 namespace tide::cuda {
 namespace {
 
-template <class E>
+template <class E, int G>
 __global__ void __launch_bounds__(body::kAccumulateThreads)
     accumulate_kernel(float* __restrict__ dst, AccumulateSources srcs, size_t count, float scale, bool carry,
                       unsigned vector_sources, bool vector_dst) {
-  body::accumulate_thread<body::DeviceOps, E>(size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+  body::accumulate_thread<body::DeviceOps, E, G>(size_t(blockIdx.x) * blockDim.x + threadIdx.x,
                                               size_t(gridDim.x) * blockDim.x, dst, srcs, count, scale, carry,
                                               vector_sources, vector_dst);
 }
@@ -48,9 +48,10 @@ int accumulate_ctas() {
 
 AccumulateReads accumulate_reads() { return {vector_read_bytes.load(), scalar_read_bytes.load()}; }
 
-cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DType src_dtype,
-                                  size_t count, float scale, bool carry, int num_ctas,
-                                  cudaStream_t stream) {
+namespace {
+template <int G>
+cudaError_t launch_accumulate(float* dst, const AccumulateSources& srcs, DType src_dtype, size_t count, float scale,
+                              bool carry, int num_ctas, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   if (srcs.count < 1 || srcs.count > kMaxAccumulateSources) return cudaErrorInvalidValue;
   if (src_dtype != DType::bf16 && src_dtype != DType::f16 && src_dtype != DType::f32) return cudaErrorInvalidValue;
@@ -66,14 +67,31 @@ cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DTy
   const int threads = body::kAccumulateThreads;
   switch (src_dtype) {
     case DType::bf16:
-      return launch_kernel(accumulate_kernel<body::Bf16>, ctas, threads, stream, dst, srcs, count, scale, carry,
+      return launch_kernel(accumulate_kernel<body::Bf16, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
                            vector_sources, vector_dst);
     case DType::f16:
-      return launch_kernel(accumulate_kernel<body::F16>, ctas, threads, stream, dst, srcs, count, scale, carry,
+      return launch_kernel(accumulate_kernel<body::F16, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
                            vector_sources, vector_dst);
     default:
-      return launch_kernel(accumulate_kernel<body::F32>, ctas, threads, stream, dst, srcs, count, scale, carry,
+      return launch_kernel(accumulate_kernel<body::F32, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
                            vector_sources, vector_dst);
+  }
+}
+}  // namespace
+
+cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DType src_dtype, size_t count,
+                                  float scale, bool carry, int num_ctas, cudaStream_t stream) {
+  return launch_accumulate<body::kGroupsPerThread>(dst, srcs, src_dtype, count, scale, carry, num_ctas, stream);
+}
+
+cudaError_t launch_accumulate_f32_groups(int groups_per_thread, float* dst, const AccumulateSources& srcs,
+                                         DType src_dtype, size_t count, float scale, bool carry, int num_ctas,
+                                         cudaStream_t stream) {
+  switch (groups_per_thread) {
+    case 1: return launch_accumulate<1>(dst, srcs, src_dtype, count, scale, carry, num_ctas, stream);
+    case 2: return launch_accumulate<2>(dst, srcs, src_dtype, count, scale, carry, num_ctas, stream);
+    case 4: return launch_accumulate<4>(dst, srcs, src_dtype, count, scale, carry, num_ctas, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 

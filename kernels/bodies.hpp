@@ -62,15 +62,15 @@ inline unsigned vector_sources(const AccumulateSources& s) {
 }
 
 // Thread `thread` of `threads`. Group g (elements g*V .. g*V+V-1) belongs to the thread with
-// g % threads == thread; a thread takes kGroupsPerThread of its groups at once, `threads`
+// g % threads == thread; a thread takes G (kGroupsPerThread) of its groups at once, `threads`
 // apart, so neighbouring threads read neighbouring 16 bytes (coalesced). Elements past the
 // last whole group: one per thread, element by element. `vector_dst`: dst is 16-byte
 // aligned (read and written 16 bytes at a time).
-template <class Ops, class E>
+template <class Ops, class E, int G = kGroupsPerThread>
 TIDE_BODY void accumulate_thread(size_t thread, size_t threads, float* dst, const AccumulateSources& srcs,
                                  size_t count, float scale, bool carry, unsigned vector_sources, bool vector_dst) {
   using Bits = typename E::Bits;
-  constexpr int V = kVec<E>, G = kGroupsPerThread, B = kSourceBatch;
+  constexpr int V = kVec<E>, B = kSourceBatch;
   const size_t groups = count / V;
   for (size_t first = thread; first < groups; first += threads * G) {
     int live = 0;  // groups of this round that exist

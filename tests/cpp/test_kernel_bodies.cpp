@@ -55,12 +55,17 @@ struct HostOps {
 // turn: threads write disjoint elements and read only what no thread writes, so the order of
 // the threads does not matter.
 template <class E>
-void emulate_accumulate(float* dst, const AccumulateSources& srcs, size_t count, float scale, bool carry, int ctas) {
+void emulate_accumulate(float* dst, const AccumulateSources& srcs, size_t count, float scale, bool carry, int ctas,
+                        int groups_per_thread) {
   const unsigned vector_sources = body::vector_sources(srcs);
   const bool vector_dst = body::aligned16(dst);
   const size_t threads = static_cast<size_t>(ctas) * body::kAccumulateThreads;
-  for (size_t t = 0; t < threads; ++t)
-    body::accumulate_thread<HostOps, E>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst);
+  for (size_t t = 0; t < threads; ++t) switch (groups_per_thread) {  // launch_accumulate_f32_groups' variants
+      case 1: body::accumulate_thread<HostOps, E, 1>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
+      case 2: body::accumulate_thread<HostOps, E, 2>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
+      case 4: body::accumulate_thread<HostOps, E, 4>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
+      default: throw std::logic_error("no such variant");
+    }
 }
 
 enum class T { bf16, f16, f32 };
@@ -118,12 +123,14 @@ struct AccumulateCase {
   bool misaligned_dst;
   bool carry;
   float scale;
+  int groups_per_thread = body::kGroupsPerThread;
 };
 
 std::string describe(const AccumulateCase& c) {
   return std::string(name(c.dtype)) + " count " + std::to_string(c.count) + " sources " + std::to_string(c.sources) +
          " ctas " + std::to_string(c.ctas) + (c.misaligned_sources ? " misaligned sources" : "") +
-         (c.misaligned_dst ? " misaligned dst" : "") + (c.carry ? " carry" : "") + " scale " + std::to_string(c.scale);
+         (c.misaligned_dst ? " misaligned dst" : "") + (c.carry ? " carry" : "") + " scale " + std::to_string(c.scale) +
+         " groups/thread " + std::to_string(c.groups_per_thread);
 }
 
 // Runs the case as TIDE-RS's executors do (body::accumulate_in_order: chained launches past
@@ -160,9 +167,9 @@ void run_case(const AccumulateCase& c, uint64_t seed) {
     ++launches;
     const bool chained = carry || c.carry;  // the case's own carry: dst holds a running sum before the first launch
     switch (c.dtype) {
-      case T::bf16: emulate_accumulate<body::Bf16>(dst, batch, c.count, s, chained, c.ctas); break;
-      case T::f16: emulate_accumulate<body::F16>(dst, batch, c.count, s, chained, c.ctas); break;
-      case T::f32: emulate_accumulate<body::F32>(dst, batch, c.count, s, chained, c.ctas); break;
+      case T::bf16: emulate_accumulate<body::Bf16>(dst, batch, c.count, s, chained, c.ctas, c.groups_per_thread); break;
+      case T::f16: emulate_accumulate<body::F16>(dst, batch, c.count, s, chained, c.ctas, c.groups_per_thread); break;
+      case T::f32: emulate_accumulate<body::F32>(dst, batch, c.count, s, chained, c.ctas, c.groups_per_thread); break;
     }
   });
   EXPECT_EQ(launches, (c.sources + tide::cuda::kMaxAccumulateSources - 1) / tide::cuda::kMaxAccumulateSources);
@@ -220,6 +227,15 @@ TEST(KernelBodies, AccumulateChainsLaunchesPastSixteenSources) {
     for (int sources : {16, 17, 20, 33})
       for (float scale : {1.f, 1.f / 24})
         run_case({dtype, 3001, sources, 1, true, false, false, scale}, seed++);
+}
+
+TEST(KernelBodies, AccumulateEveryGroupsPerThreadVariant) {
+  // The benchmark's variants (launch_accumulate_f32_groups): 1, 2 and 4 groups in flight.
+  uint64_t seed = 400;
+  for (int g : {1, 2, 4})
+    for (T dtype : {T::bf16, T::f32})
+      for (size_t count : {size_t{7}, size_t(body::kAccumulateThreads) * 8 * g + 9, size_t{30011}})
+        run_case({dtype, count, 5, 2, true, g == 2, true, 0.5f, g}, seed++);
 }
 
 TEST(KernelBodies, AccumulateGridShapes) {

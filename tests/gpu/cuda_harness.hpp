@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -64,29 +65,53 @@ inline void child_main_if_requested() {
     fd = std::atoi(parts[5].c_str());
     c.timeout_ms = std::strtoll(parts[6].c_str(), nullptr, 10);
   }
-  std::string msg;
+  auto run_one = [&c](const RankCtx& one) -> std::pair<bool, std::string> {
+    try {
+      return {true, "OK " + run_scenario(one)};
+    } catch (const std::exception& e) {
+      return {false, std::string("FAIL rank ") + std::to_string(c.rank) + ": " + e.what()};
+    } catch (...) {
+      return {false, "FAIL rank " + std::to_string(c.rank) + ": unknown exception"};
+    }
+  };
   int code = 0;
-  try {
-    msg = "OK " + run_scenario(c);
-  } catch (const std::exception& e) {
-    msg = std::string("FAIL rank ") + std::to_string(c.rank) + ": " + e.what();
-    code = 1;
-  } catch (...) {
-    msg = "FAIL rank " + std::to_string(c.rank) + ": unknown exception";
-    code = 1;
+  if (c.scenario.find(',') == std::string::npos) {
+    auto [ok, msg] = run_one(c);
+    msg += "\n";
+    (void)!::write(fd, msg.data(), msg.size());
+    code = ok ? 0 : 1;
+  } else {
+    // A batch (run_batch): the scenarios one after another in this process (one CUDA context
+    // for all of them), each over a store of its own, a line "<name> OK ..." / "<name> FAIL
+    // ..." per scenario the moment it ends.
+    std::istringstream names(c.scenario);
+    for (std::string name; std::getline(names, name, ',');) {
+      RankCtx one = c;
+      one.scenario = name;
+      one.dir = c.dir + "/" + name;
+      auto [ok, msg] = run_one(one);
+      for (char& ch : msg)
+        if (ch == '\n') ch = ' ';
+      msg = name + " " + msg + "\n";
+      (void)!::write(fd, msg.data(), msg.size());
+      if (!ok) code = 1;
+    }
   }
-  msg += "\n";
-  (void)!::write(fd, msg.data(), msg.size());
   std::fflush(nullptr);
   _exit(code);
 }
 
 // The parent side: one fresh process per rank, killed after `limit` (the ranks' groups time
-// out after half of it, so a hang reports each rank's flags before the kill). `child_args`
-// are extra argv entries for the re-executed binary. Safe to call from several threads at
-// once (the parent never touches CUDA).
+// out after `group_timeout`, default half of it, so a hang reports each rank's flags before
+// the kill). `scenario` may be a comma-separated batch (run one after another in the same
+// processes). `progress` sees what the ranks reported so far, every few milliseconds.
+// `child_args` are extra argv entries for the re-executed binary. Safe to call from several
+// threads at once (the parent never touches CUDA).
 inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const std::vector<std::string>& child_args,
-                                      std::chrono::seconds limit = std::chrono::seconds(120)) {
+                                      std::chrono::seconds limit = std::chrono::seconds(120),
+                                      const std::function<void(const std::vector<Outcome>&)>& progress = {},
+                                      std::chrono::milliseconds group_timeout = {}) {
+  if (group_timeout.count() <= 0) group_timeout = std::chrono::milliseconds(limit) / 2;
   char tmpl[] = "/tmp/tide-cuda-test-XXXXXX";
   const char* dir = ::mkdtemp(tmpl);
   if (!dir) throw std::runtime_error("mkdtemp failed");
@@ -102,7 +127,7 @@ inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const
     if (::pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
     const std::string env = scenario + ";" + std::to_string(r) + ";" + std::to_string(ws) + ";" + dir + ";" +
                             std::to_string(seed) + ";" + std::to_string(p[1]) + ";" +
-                            std::to_string(std::chrono::milliseconds(limit).count() / 2);
+                            std::to_string(group_timeout.count());
     pid_t pid = ::fork();
     if (pid == 0) {
       ::close(p[0]);
@@ -146,6 +171,7 @@ inline std::vector<Outcome> run_ranks(const std::string& scenario, int ws, const
         --left;
       }
     }
+    if (progress) progress(out);  // what the ranks reported so far
     if (left > 0 && std::chrono::steady_clock::now() > deadline) {
       for (int r = 0; r < ws; ++r)
         if (!done[r]) {

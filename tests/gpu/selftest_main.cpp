@@ -1,9 +1,10 @@
 // GoogleTest-free runner of the CUDA scenarios (the H200 machine has no GoogleTest):
-//   tide_cuda_selftest [--strict] [--limit S] [--jobs N] [--only a,b] [--jsonl FILE]
+//   tide_cuda_selftest [--strict] [--limit S] [--jobs N] [--batch] [--only a,b] [--jsonl FILE]
 //                      [--expect flags=device,copies=batched,memory=vmm] [probe | ws ...]
 // (default ws 1 2 4). Each scenario runs as one process per rank (cuda_harness.hpp), killed
 // after S seconds (default 30; the ranks' groups time out after S/2 and report their flags),
-// N scenarios at a time (default 1). Prints PASS / FAIL per scenario and world size, and
+// N scenarios at a time (default 1); --batch: all scenarios of a world size in one set of
+// rank processes, one after another (N world sizes at a time). Prints PASS / FAIL per scenario and world size, and
 // appends one JSON line per result to FILE as it comes. --expect: the modes every group must
 // have taken (each scenario reports them; "_hostsync" scenarios ask for host flags and are
 // held to that instead); a group that fell back fails its scenario. Without a usable device
@@ -68,7 +69,7 @@ std::string modes_mismatch(const std::string& scenario, const std::string& text,
 
 int main(int argc, char** argv) {
   tide::cudatest::child_main_if_requested();
-  bool strict = false, probe_only = false;
+  bool strict = false, probe_only = false, batch = false;
   int limit = 30, jobs = 1;
   std::set<std::string> only;
   std::vector<int> sizes;
@@ -80,6 +81,8 @@ int main(int argc, char** argv) {
       strict = true;
     } else if (a == "--limit" && i + 1 < argc) {
       limit = std::atoi(argv[++i]);
+    } else if (a == "--batch") {
+      batch = true;
     } else if (a == "--jobs" && i + 1 < argc) {
       jobs = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--jsonl" && i + 1 < argc) {
@@ -150,16 +153,66 @@ int main(int argc, char** argv) {
     record(name, ws, ok, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), text);
     ok ? ++passed : ++failed;
   };
+  // --batch: every scenario of one world size in the same rank processes, one after another
+  // (a process's CUDA context costs about a second on the H200 machine, so a process per
+  // scenario spent the lease starting them). Each scenario is reported as soon as every rank
+  // has reported it; one that no rank reached fails naming why (a hang, a crash).
+  auto run_batch = [&](int ws) {
+    std::string list;
+    for (const std::string& n : names) list += (list.empty() ? "" : ",") + n;
+    std::set<std::string> reported;
+    auto t0 = std::chrono::steady_clock::now();
+    auto line_of = [](const std::string& text, const std::string& name) -> std::string {
+      std::istringstream is(text);
+      for (std::string l; std::getline(is, l);)
+        if (l.rfind(name + " ", 0) == 0) return l.substr(name.size() + 1);
+      return "";
+    };
+    auto report_ready = [&](const std::vector<tide::cudatest::Outcome>& out, bool final) {
+      for (const std::string& name : names) {
+        if (reported.count(name)) continue;
+        bool all = true, ok = true;
+        std::string text, why;
+        for (size_t r = 0; r < out.size(); ++r) {
+          const std::string l = line_of(out[r].text, name);
+          if (l.empty()) {
+            all = false;
+            continue;
+          }
+          if (l.rfind("OK", 0) != 0) ok = false;
+          const std::string mismatch = modes_mismatch(name, l, expect);
+          if (!mismatch.empty()) ok = false, why += "rank " + std::to_string(r) + " fell back:" + mismatch + "\n";
+          text += "  rank " + std::to_string(r) + ": " + l + "\n";
+        }
+        if (!all && !final) return;  // in order: later scenarios wait for this one
+        if (!all) {
+          ok = false;
+          why += "not reached by every rank: " + tide::cudatest::summary(out);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        record(name, ws, ok, std::chrono::duration<double>(now - t0).count(), why + text);
+        t0 = now;
+        reported.insert(name);
+        ok ? ++passed : ++failed;
+      }
+    };
+    auto out = tide::cudatest::run_ranks(list, ws, none, seconds * static_cast<int>(names.size()),
+                                         [&](const auto& o) { report_ready(o, false); }, seconds / 2);
+    report_ready(out, true);
+  };
   run_one("probe", 1);
   std::vector<std::pair<std::string, int>> work;
   for (int ws : probe_only ? std::vector<int>{} : sizes)
-    for (const std::string& name : names) work.emplace_back(name, ws);
-  // N workers take the next scenario: the parent only forks and waits (no CUDA here).
+    if (batch) work.emplace_back("", ws);
+    else
+      for (const std::string& name : names) work.emplace_back(name, ws);
+  // N workers take the next scenario (or batch): the parent only forks and waits (no CUDA here).
   std::atomic<size_t> next{0};
   std::vector<std::thread> workers;
   for (int j = 0; j < jobs; ++j)
     workers.emplace_back([&] {
-      for (size_t i; (i = next++) < work.size();) run_one(work[i].first, work[i].second);
+      for (size_t i; (i = next++) < work.size();)
+        batch ? run_batch(work[i].second) : run_one(work[i].first, work[i].second);
     });
   for (auto& w : workers) w.join();
   std::printf("%d passed, %d failed\n", passed.load(), failed.load());

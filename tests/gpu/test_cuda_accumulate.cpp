@@ -55,16 +55,22 @@ TEST_P(CudaAccumulate, MatchesHostFp32SumInSourceOrder) {
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dst), (count + offset) * 4), cudaSuccess);
   cudaMemcpy(dst, init.data(), (count + offset) * 4, cudaMemcpyHostToDevice);
   const float scale = 0.125f;
-  ASSERT_EQ(tide::cuda::launch_accumulate_f32(dst + offset, srcs, tide::DType::bf16, count, scale,
-                                              /*carry=*/true, 4, nullptr),
-            cudaSuccess);
-  std::vector<float> got(count + offset);
-  cudaMemcpy(got.data(), dst, (count + offset) * 4, cudaMemcpyDeviceToHost);
-  for (size_t i = 0; i < count; ++i) {
-    volatile float acc = init[i + offset];  // the carried sum, then the sources in order
-    for (int s = 0; s < nsrc; ++s) acc = acc + from_bf16(host[s][i + offset]);
-    volatile float want = scale * acc;
-    ASSERT_EQ(got[i + offset], want) << "element " << i;
+  // The default launch, then every variant of the benchmark's sweep (launch_accumulate_f32_groups).
+  for (int groups : {0, 1, 2, 4}) {
+    cudaMemcpy(dst, init.data(), (count + offset) * 4, cudaMemcpyHostToDevice);
+    const cudaError_t e = groups ? tide::cuda::launch_accumulate_f32_groups(groups, dst + offset, srcs, tide::DType::bf16,
+                                                                           count, scale, /*carry=*/true, 4, nullptr)
+                                 : tide::cuda::launch_accumulate_f32(dst + offset, srcs, tide::DType::bf16, count, scale,
+                                                                     /*carry=*/true, 4, nullptr);
+    ASSERT_EQ(e, cudaSuccess) << "groups per thread " << groups;
+    std::vector<float> got(count + offset);
+    cudaMemcpy(got.data(), dst, (count + offset) * 4, cudaMemcpyDeviceToHost);
+    for (size_t i = 0; i < count; ++i) {
+      volatile float acc = init[i + offset];  // the carried sum, then the sources in order
+      for (int s = 0; s < nsrc; ++s) acc = acc + from_bf16(host[s][i + offset]);
+      volatile float want = scale * acc;
+      ASSERT_EQ(got[i + offset], want) << "element " << i << ", groups per thread " << groups;
+    }
   }
   for (auto p : dev) cudaFree(p);
   cudaFree(dst);

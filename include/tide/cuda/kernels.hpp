@@ -28,6 +28,13 @@ cudaError_t launch_accumulate_f32(float* dst, const AccumulateSources& srcs, DTy
                                   size_t count, float scale, bool carry, int num_ctas,
                                   cudaStream_t stream);
 
+// The benchmark's sweep (benchmarks/gpu/bench_cuda.cu): the same launch with
+// `groups_per_thread` (1, 2 or 4) 16-byte groups of every source in flight per thread, where
+// launch_accumulate_f32 uses body::kGroupsPerThread. Same results, bit for bit.
+cudaError_t launch_accumulate_f32_groups(int groups_per_thread, float* dst, const AccumulateSources& srcs,
+                                         DType src_dtype, size_t count, float scale, bool carry, int num_ctas,
+                                         cudaStream_t stream);
+
 // The accumulation's provisioning on the current device: CTAs enough to stream HBM (one
 // per 8 SMs, at least 4: 16 on an H200's 132 SMs) of accumulate_threads() threads, few
 // enough to leave the SMs to compute. TIDE_RS_CTAS overrides the CTA count.

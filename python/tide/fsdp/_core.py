@@ -262,7 +262,7 @@ def _cuda_pool(backend, device, state):
     reduce-scatter's staging, in 2 MiB units (every rank computes the same size). Size it
     to the peak of concurrently unsharded groups; what does not fit takes FSDP2's
     allocator."""
-    from ._pool import SymmetricPool
+    from .._pool import SymmetricPool
 
     key = (id(backend), _device_index(device))
     pool = _cuda_pools.get(key)
