@@ -17,10 +17,10 @@ namespace {
 template <class E, int G>
 __global__ void __launch_bounds__(body::kAccumulateThreads)
     accumulate_kernel(float* __restrict__ dst, AccumulateSources srcs, size_t count, float scale, bool carry,
-                      unsigned vector_sources, bool vector_dst) {
+                      size_t head, unsigned vector_sources, bool vector_dst) {
   body::accumulate_thread<body::DeviceOps, E, G>(size_t(blockIdx.x) * blockDim.x + threadIdx.x,
-                                              size_t(gridDim.x) * blockDim.x, dst, srcs, count, scale, carry,
-                                              vector_sources, vector_dst);
+                                                 size_t(gridDim.x) * blockDim.x, dst, srcs, count, scale, carry, head,
+                                                 vector_sources, vector_dst);
 }
 
 std::atomic<uint64_t> vector_read_bytes{0}, scalar_read_bytes{0};
@@ -56,25 +56,26 @@ cudaError_t launch_accumulate(float* dst, const AccumulateSources& srcs, DType s
   if (srcs.count < 1 || srcs.count > kMaxAccumulateSources) return cudaErrorInvalidValue;
   if (src_dtype != DType::bf16 && src_dtype != DType::f16 && src_dtype != DType::f32) return cudaErrorInvalidValue;
   const size_t es = dtype_size(src_dtype), per_vector = 16 / es;
-  const unsigned vector_sources = body::vector_sources(srcs);
+  const size_t head = body::accumulate_head(srcs, es, dst, count);
+  const unsigned vector_sources = body::vector_sources(srcs, head, es);
   for (int s = 0; s < srcs.count; ++s) {
-    const size_t vector_elems = (vector_sources >> s & 1u) ? count / per_vector * per_vector : 0;
+    const size_t vector_elems = (vector_sources >> s & 1u) ? (count - head) / per_vector * per_vector : 0;
     vector_read_bytes += vector_elems * es;
     scalar_read_bytes += (count - vector_elems) * es;
   }
-  const bool vector_dst = body::aligned16(dst);
+  const bool vector_dst = body::aligned16(dst + head);
   const int ctas = num_ctas > 0 ? num_ctas : accumulate_ctas();
   const int threads = body::kAccumulateThreads;
   switch (src_dtype) {
     case DType::bf16:
       return launch_kernel(accumulate_kernel<body::Bf16, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
-                           vector_sources, vector_dst);
+                           head, vector_sources, vector_dst);
     case DType::f16:
       return launch_kernel(accumulate_kernel<body::F16, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
-                           vector_sources, vector_dst);
+                           head, vector_sources, vector_dst);
     default:
       return launch_kernel(accumulate_kernel<body::F32, G>, ctas, threads, stream, dst, srcs, count, scale, carry,
-                           vector_sources, vector_dst);
+                           head, vector_sources, vector_dst);
   }
 }
 }  // namespace

@@ -218,10 +218,13 @@ struct RsPipelineOptions {
   int max_inflight = 2;           // chunks between phase 1 and the end of phase 2
   int64_t staging_elem_size = 4;  // bytes per staged element (fp32 accumulation)
   // 0: a window's parameters lie back to back in staging, as in the flat output space.
-  // Else (a multiple of staging_elem_size): each parameter's part of a window starts at a
-  // multiple of align_bytes in staging, so the CUDA accumulation reads every staged source
-  // with 16-byte vector loads; a window then ends where its staging would overflow, so
-  // windows cover slightly less of the flat space (at most align_bytes per parameter).
+  // Else (a multiple of staging_elem_size): each parameter's part of a window starts in
+  // staging at an offset congruent, modulo align_bytes / staging_elem_size elements, with
+  // its first element's place in the flat output space, so that after the same head of a
+  // few elements the CUDA accumulation reads every staged source and writes the fp32 output
+  // 16 bytes at a time, also where FSDP2's layout puts a parameter's shard off a 16-byte
+  // boundary; a window then ends where its staging would overflow, so windows cover
+  // slightly less of the flat space (less than align_bytes per parameter).
   int64_t align_bytes = 0;
 };
 struct RsPipeline {

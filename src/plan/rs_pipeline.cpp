@@ -26,14 +26,17 @@ RsPipeline rs_pipeline(const GroupLayout& layout, const RsPipelineOptions& optio
     total += p.padded_shard_numel;
   }
 
-  // Staging offsets of aligned parts: multiples of `align` elements.
+  // Staging offsets of aligned parts: congruent, modulo `align` elements, with the part's
+  // first element's place in the flat output space (where the accumulation writes it), so
+  // that one head of a few elements aligns the staged sources and the output together.
   TIDE_CHECK(options.align_bytes >= 0 && options.align_bytes % options.staging_elem_size == 0,
              "rs_pipeline: align_bytes ", options.align_bytes, " is not a multiple of the staged element size ",
              options.staging_elem_size);
   const int64_t align = std::max<int64_t>(1, options.align_bytes / options.staging_elem_size);
   TIDE_CHECK(align <= pipe.chunk_elems, "rs_pipeline: a chunk of ", pipe.chunk_elems, " elements is smaller than the ",
              options.align_bytes, "-byte alignment");
-  auto align_up = [&](int64_t n) { return (n + align - 1) / align * align; };
+  // The first offset >= n congruent with `place` modulo align.
+  auto align_up = [&](int64_t n, int64_t place) { return n + ((place - n) % align + align) % align; };
   size_t first = 0;  // the first parameter whose padded shard reaches past `begin`
   for (int64_t begin = 0; begin < total;) {
     RsChunk chunk;
@@ -48,7 +51,7 @@ RsPipeline rs_pipeline(const GroupLayout& layout, const RsPipelineOptions& optio
     for (size_t i = first; i < layout.params.size() && end < total; ++i) {
       const int64_t from = std::max(end, param_base[i]), to = param_base[i] + layout.params[i].padded_shard_numel;
       if (from >= to) continue;
-      const int64_t at = align_up(used);
+      const int64_t at = align_up(used, from);
       if (at >= pipe.chunk_elems) break;
       const int64_t take = std::min(to - from, pipe.chunk_elems - at);
       offset[i] = at;

@@ -25,13 +25,16 @@ namespace body = tide::cuda::body;
 using tide::cuda::AccumulateSources;
 
 struct HostOps {
+  static inline size_t loads = 0, stores = 0;  // 16-byte ones, counted
   template <class T>
   static void load16(const T* p, T (&out)[16 / sizeof(T)]) {
     if (!body::aligned16(p)) throw std::logic_error("16-byte load from a misaligned address");
+    ++loads;
     std::memcpy(out, p, 16);
   }
   static void store16(float* p, const float (&v)[4]) {
     if (!body::aligned16(p)) throw std::logic_error("16-byte store to a misaligned address");
+    ++stores;
     std::memcpy(p, v, 16);
   }
   static float to_f32(body::Bf16, uint16_t b) { return tide::bf16_to_float(b); }
@@ -57,13 +60,15 @@ struct HostOps {
 template <class E>
 void emulate_accumulate(float* dst, const AccumulateSources& srcs, size_t count, float scale, bool carry, int ctas,
                         int groups_per_thread) {
-  const unsigned vector_sources = body::vector_sources(srcs);
-  const bool vector_dst = body::aligned16(dst);
+  const size_t es = sizeof(typename E::Bits);
+  const size_t head = body::accumulate_head(srcs, es, dst, count);
+  const unsigned vs = body::vector_sources(srcs, head, es);
+  const bool vd = body::aligned16(dst + head);
   const size_t threads = static_cast<size_t>(ctas) * body::kAccumulateThreads;
   for (size_t t = 0; t < threads; ++t) switch (groups_per_thread) {  // launch_accumulate_f32_groups' variants
-      case 1: body::accumulate_thread<HostOps, E, 1>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
-      case 2: body::accumulate_thread<HostOps, E, 2>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
-      case 4: body::accumulate_thread<HostOps, E, 4>(t, threads, dst, srcs, count, scale, carry, vector_sources, vector_dst); break;
+      case 1: body::accumulate_thread<HostOps, E, 1>(t, threads, dst, srcs, count, scale, carry, head, vs, vd); break;
+      case 2: body::accumulate_thread<HostOps, E, 2>(t, threads, dst, srcs, count, scale, carry, head, vs, vd); break;
+      case 4: body::accumulate_thread<HostOps, E, 4>(t, threads, dst, srcs, count, scale, carry, head, vs, vd); break;
       default: throw std::logic_error("no such variant");
     }
 }
@@ -124,13 +129,15 @@ struct AccumulateCase {
   bool carry;
   float scale;
   int groups_per_thread = body::kGroupsPerThread;
+  int shift_all = 0;  // every source and dst this many elements past a 16-byte boundary (co-aligned)
 };
 
 std::string describe(const AccumulateCase& c) {
   return std::string(name(c.dtype)) + " count " + std::to_string(c.count) + " sources " + std::to_string(c.sources) +
          " ctas " + std::to_string(c.ctas) + (c.misaligned_sources ? " misaligned sources" : "") +
          (c.misaligned_dst ? " misaligned dst" : "") + (c.carry ? " carry" : "") + " scale " + std::to_string(c.scale) +
-         " groups/thread " + std::to_string(c.groups_per_thread);
+         " groups/thread " + std::to_string(c.groups_per_thread) +
+         (c.shift_all ? " all shifted by " + std::to_string(c.shift_all) : "");
 }
 
 // Runs the case as TIDE-RS's executors do (body::accumulate_in_order: chained launches past
@@ -144,7 +151,7 @@ void run_case(const AccumulateCase& c, uint64_t seed) {
   std::vector<std::unique_ptr<uint8_t[], void (*)(void*)>> bufs;
   std::vector<const void*> srcs;
   for (int s = 0; s < c.sources; ++s) {
-    const size_t shift = c.misaligned_sources && s % 2 ? 1 : 0;
+    const size_t shift = c.shift_all ? c.shift_all : c.misaligned_sources && s % 2 ? 1 : 0;
     data.push_back(random_bytes(c.dtype, c.count, rng));
     const size_t bytes = (c.count + shift) * es;
     bufs.emplace_back(static_cast<uint8_t*>(std::aligned_alloc(16, std::max<size_t>(16, (bytes + 15) / 16 * 16))),
@@ -152,7 +159,7 @@ void run_case(const AccumulateCase& c, uint64_t seed) {
     std::memcpy(bufs.back().get() + shift * es, data.back().data(), c.count * es);
     srcs.push_back(bufs.back().get() + shift * es);
   }
-  const size_t dshift = c.misaligned_dst ? 1 : 0;
+  const size_t dshift = c.shift_all ? c.shift_all : c.misaligned_dst ? 1 : 0;
   std::unique_ptr<float[], void (*)(void*)> out(
       static_cast<float*>(std::aligned_alloc(16, std::max<size_t>(16, ((c.count + dshift) * 4 + 15) / 16 * 16))),
       std::free);
@@ -163,6 +170,7 @@ void run_case(const AccumulateCase& c, uint64_t seed) {
   std::memcpy(dst, init.data(), c.count * 4);
 
   int launches = 0;
+  HostOps::loads = HostOps::stores = 0;
   body::accumulate_in_order(srcs.data(), c.sources, c.scale, [&](const AccumulateSources& batch, float s, bool carry) {
     ++launches;
     const bool chained = carry || c.carry;  // the case's own carry: dst holds a running sum before the first launch
@@ -193,6 +201,12 @@ void run_case(const AccumulateCase& c, uint64_t seed) {
     worst = std::max(worst, std::fabs(double(dst[i]) - c.scale * exact) / (std::fabs(c.scale) * mag + 1e-30));
   }
   EXPECT_LE(worst, (c.sources + 2) * std::ldexp(1.0, -24));
+  if (c.shift_all && !c.carry && c.sources <= tide::cuda::kMaxAccumulateSources) {
+    // Co-aligned: after a head of fewer than one vector, every byte moves 16 at a time.
+    const size_t per_vector = 16 / es, groups = c.count > per_vector ? (c.count - per_vector) / per_vector : 0;
+    EXPECT_GE(HostOps::loads, static_cast<size_t>(c.sources) * groups) << "sources read element by element";
+    EXPECT_GE(HostOps::stores, groups * per_vector / 4) << "the destination written element by element";
+  }
 }
 
 TEST(KernelBodies, AccumulateMatchesSourceOrderSums) {
@@ -236,6 +250,16 @@ TEST(KernelBodies, AccumulateEveryGroupsPerThreadVariant) {
     for (T dtype : {T::bf16, T::f32})
       for (size_t count : {size_t{7}, size_t(body::kAccumulateThreads) * 8 * g + 9, size_t{30011}})
         run_case({dtype, count, 5, 2, true, g == 2, true, 0.5f, g}, seed++);
+}
+
+TEST(KernelBodies, AccumulateCoAlignedSourcesAndDestinationShareOneHead) {
+  // TIDE-RS's planner stages each part congruent with its place in the output, so a part of a
+  // parameter that FSDP2's layout puts off a 16-byte boundary has its staged sources off by
+  // the same elements: one head of element-by-element sums aligns all of them.
+  uint64_t seed = 500;
+  for (T dtype : {T::bf16, T::f16, T::f32})
+    for (int k = 1; k < 4; ++k) run_case({dtype, 10007, 6, 2, false, false, false, 0.25f, body::kGroupsPerThread, k}, seed++);
+  for (int k = 4; k < 8; ++k) run_case({T::bf16, 10007, 6, 2, false, false, false, 1.f, body::kGroupsPerThread, k}, seed++);
 }
 
 TEST(KernelBodies, AccumulateGridShapes) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <set>
+#include <utility>
 
 #include "test_plan_common.hpp"
 #include "tide/error.hpp"
@@ -17,11 +18,13 @@ TEST(PlanPipeline, ChunksCoverEveryShardElementOnceAndSlotsCycle) {
   for (int trial = 0; trial < 600; ++trial) {
     const int ws = 1 + trial % 16;
     const GroupLayout g = plan_group(testing::random_params(rng, ws), ws);
-    // Half the trials align each parameter's staging to 16 bytes (the CUDA executors').
+    // Half the trials align each parameter's staging with 16-byte granules (the CUDA executors').
     const int64_t elem = trial % 3 == 0 ? 2 : 4, align = trial % 2 ? 16 : 0;
     const RsPipelineOptions opt{std::vector<int64_t>{16, 48, 160, 4096}[trial % 4], 1 + trial % 3, elem, align};
     const RsPipeline pipe = rs_pipeline(g, opt);
     EXPECT_EQ(pipe.chunk_elems, opt.chunk_bytes / elem);
+    std::vector<int64_t> base;  // each parameter's padded shard in the flat output space
+    for (int64_t at = 0; const ParamLayout& p : g.params) base.push_back(std::exchange(at, at + p.padded_shard_numel));
     // covered[param][dst][shard element]
     std::vector<std::vector<std::vector<int>>> covered(g.params.size());
     for (size_t i = 0; i < g.params.size(); ++i)
@@ -43,7 +46,11 @@ TEST(PlanPipeline, ChunksCoverEveryShardElementOnceAndSlotsCycle) {
         const Shard& s = g.params[p.param].shards[p.dst_rank];
         EXPECT_EQ(p.grad, slice(s.placement, p.shard_begin, p.shard_end));
         for (int64_t e = p.shard_begin; e < p.shard_end; ++e) ++covered[p.param][p.dst_rank][e];
-        if (align) EXPECT_EQ(p.staging_offset * elem % align, 0) << "piece of param " << p.param << " in chunk " << c;
+        // Staged congruent with its place in the flat output (FSDP2's padded shards back to
+        // back): one head aligns the staged sources and the fp32 output together.
+        if (align)
+          EXPECT_EQ(((p.staging_offset - base[p.param] - p.shard_begin) * elem % align + align) % align, 0)
+              << "piece of param " << p.param << " in chunk " << c;
         for (int64_t o = p.staging_offset; o < p.staging_offset + p.shard_end - p.shard_begin;
              ++o) {
           ASSERT_TRUE(o >= 0 && o < chunk.staged);
