@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <random>
 #include <sstream>
 #include <string>
@@ -211,6 +212,38 @@ inline int device_count(const std::vector<std::string>& child_args, std::string*
   }
   if (why) *why = reason;
   return cached;
+}
+
+// "key=value,key=value" -> map.
+inline std::map<std::string, std::string> parse_modes(const std::string& text, char sep) {
+  std::map<std::string, std::string> m;
+  std::istringstream is(text);
+  for (std::string kv; std::getline(is, kv, sep);) {
+    const auto eq = kv.find('=');
+    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
+  return m;
+}
+
+// Why a rank's reported modes ("[modes: flags=device copies=batched memory=vmm]" in its
+// result line) differ from the expected ones ("" when they agree). Every scenario but the
+// probe (which makes no group) must report them; "_hostsync" scenarios ask for host flags
+// and are held to that instead.
+inline std::string modes_mismatch(const std::string& scenario, const std::string& text,
+                                  std::map<std::string, std::string> want) {
+  if (want.empty() || scenario == "probe") return "";
+  const auto at = text.find("[modes: ");
+  if (at == std::string::npos) return " no modes reported";
+  const auto end = text.find(']', at);
+  const auto got = parse_modes(text.substr(at + 8, end - at - 8), ' ');
+  if (scenario.size() > 9 && scenario.compare(scenario.size() - 9, 9, "_hostsync") == 0) want["flags"] = "host";
+  std::string why;
+  for (const auto& [k, v] : want) {
+    const auto it = got.find(k);
+    if (it == got.end() || it->second != v)
+      why += " " + k + "=" + (it == got.end() ? std::string("?") : it->second) + " (expected " + v + ")";
+  }
+  return why;
 }
 
 inline std::string summary(const std::vector<Outcome>& o) {

@@ -36,35 +36,6 @@ std::string json_escape(const std::string& s) {
   return o;
 }
 
-// "key=value,key=value" -> map.
-std::map<std::string, std::string> parse_modes(const std::string& text, char sep) {
-  std::map<std::string, std::string> m;
-  std::istringstream is(text);
-  for (std::string kv; std::getline(is, kv, sep);) {
-    const auto eq = kv.find('=');
-    if (eq != std::string::npos) m[kv.substr(0, eq)] = kv.substr(eq + 1);
-  }
-  return m;
-}
-
-// Why a rank's reported modes differ from the expected ones ("" when they agree).
-std::string modes_mismatch(const std::string& scenario, const std::string& text,
-                           std::map<std::string, std::string> want) {
-  if (want.empty()) return "";
-  const auto at = text.find("[modes: ");
-  if (at == std::string::npos) return "";  // a scenario without a group (the probe)
-  const auto end = text.find(']', at);
-  const auto got = parse_modes(text.substr(at + 8, end - at - 8), ' ');
-  if (scenario.size() > 9 && scenario.compare(scenario.size() - 9, 9, "_hostsync") == 0) want["flags"] = "host";
-  std::string why;
-  for (const auto& [k, v] : want) {
-    const auto it = got.find(k);
-    if (it == got.end() || it->second != v)
-      why += " " + k + "=" + (it == got.end() ? std::string("?") : it->second) + " (expected " + v + ")";
-  }
-  return why;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,7 +59,7 @@ int main(int argc, char** argv) {
     } else if (a == "--jsonl" && i + 1 < argc) {
       jsonl = argv[++i];
     } else if (a == "--expect" && i + 1 < argc) {
-      expect = parse_modes(argv[++i], ',');
+      expect = tide::cudatest::parse_modes(argv[++i], ',');
     } else if (a == "--only" && i + 1 < argc) {
       std::istringstream is(argv[++i]);
       for (std::string n; std::getline(is, n, ',');) only.insert(n);
@@ -143,7 +114,7 @@ int main(int argc, char** argv) {
     bool ok = tide::cudatest::all_ok(out);
     std::string text;
     for (size_t r = 0; ok && r < out.size(); ++r) {
-      const std::string why = modes_mismatch(name, out[r].text, expect);
+      const std::string why = tide::cudatest::modes_mismatch(name, out[r].text, expect);
       if (!why.empty()) {
         ok = false;
         text += "rank " + std::to_string(r) + " fell back:" + why + "\n";
@@ -180,7 +151,7 @@ int main(int argc, char** argv) {
             continue;
           }
           if (l.rfind("OK", 0) != 0) ok = false;
-          const std::string mismatch = modes_mismatch(name, l, expect);
+          const std::string mismatch = tide::cudatest::modes_mismatch(name, l, expect);
           if (!mismatch.empty()) ok = false, why += "rank " + std::to_string(r) + " fell back:" + mismatch + "\n";
           text += "  rank " + std::to_string(r) + ": " + l + "\n";
         }

@@ -17,6 +17,7 @@ Capabilities fake(int n, bool multicast, int engines = 3) {
   for (int d = 0; d < n; ++d) {
     tide::cuda::DeviceCaps dc;
     dc.ordinal = d;
+    dc.uuid[0] = static_cast<uint8_t>(0xA0 + d);  // distinct GPUs
     dc.sm_count = 132;
     dc.copy_engines = engines;
     dc.unified_addressing = dc.ipc = true;
@@ -55,6 +56,19 @@ TEST(CudaPathChoice, NcclWithoutPeerAccess) {
   Capabilities c = fake(2, false);
   c.peer_access[0][1] = c.peer_access[1][0] = false;
   EXPECT_EQ(choose_allgather_path(c, {0, 1}).path, AllGatherPath::nccl);
+}
+
+TEST(CudaPathChoice, GpusAreMatchedByUuidNotOrdinal) {
+  // A rank restricted by its own CUDA_VISIBLE_DEVICES calls its GPU 0; peers map its UUID to
+  // their own numbering, or find it missing.
+  Capabilities c = fake(2, false);
+  EXPECT_EQ(tide::cuda::ordinal_of(c, c.devices[1].uuid), 1);
+  tide::cuda::DeviceUuid other{};
+  other[0] = 0x42;
+  EXPECT_EQ(tide::cuda::ordinal_of(c, other), -1);
+  auto pc = choose_allgather_path(c, {0, tide::cuda::ordinal_of(c, other)});
+  EXPECT_EQ(pc.path, AllGatherPath::nccl);
+  EXPECT_NE(pc.reason.find("the GPU of local rank 1 is not visible in this process"), std::string::npos) << pc.reason;
 }
 
 TEST(CudaPathChoice, NcclWithoutDevice) {

@@ -60,6 +60,9 @@ struct CudaGroupOptions {
   int rs_ctas = 0;           // accumulate CTAs; 0: TIDE_RS_CTAS, else accumulate_ctas() (the device's SMs / 8)
   int sync = -1;             // -1: TIDE_CUDA_SYNC (device|host, default device); else SyncMode
   bool blocking = true;      // collectives return after the host saw them complete
+  // The group is one node of a group over several: its symmetric memory must be registrable
+  // by NCCL's one-sided puts between nodes (GPUDirect RDMA, fabric handles where offered).
+  bool across_nodes = false;
 };
 
 class CudaGroup {

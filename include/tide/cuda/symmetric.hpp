@@ -39,10 +39,13 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   // Collective over the `world_size` ranks using `key` (unique per allocation, the same on
   // every rank). `bytes` is this rank's part (0 allowed). The part is zero-filled, on the
   // current device. With `fds` the vmm mechanism, without it ipc (the same on every rank).
+  // `across_nodes` (vmm): memory NCCL's one-sided puts between nodes can register, i.e.
+  // GPUDirect-RDMA capable and, where the device offers them (multi-node NVLink, IMEX),
+  // exportable as fabric handles; inside a node POSIX fds alone are asked for.
   static std::shared_ptr<CudaSymmetricBuffer> allocate(std::shared_ptr<Store> store, const std::string& key,
                                                        int rank, int world_size, size_t bytes,
                                                        std::chrono::milliseconds timeout,
-                                                       FdChannel* fds = nullptr);
+                                                       FdChannel* fds = nullptr, bool across_nodes = false);
   ~CudaSymmetricBuffer() override;
   CudaSymmetricBuffer(const CudaSymmetricBuffer&) = delete;
   CudaSymmetricBuffer& operator=(const CudaSymmetricBuffer&) = delete;
@@ -76,7 +79,7 @@ class CudaSymmetricBuffer final : public SymmetricBuffer {
   bool vmm_ = false, device_sync_ = true;
   std::vector<CUmemGenericAllocationHandle> handles_;
   std::vector<size_t> mapped_;
-  void allocate_vmm(size_t bytes, FdChannel& fds);
+  void allocate_vmm(size_t bytes, FdChannel& fds, bool across_nodes);
   void destroy_vmm();
 };
 

@@ -155,6 +155,7 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
     tide::cuda::CudaGroupOptions options;
     options.timeout = timeout_;
     options.blocking = false;  // stream-ordered; the watchdog enforces the timeout
+    options.across_nodes = nodes_.has_value();
     int previous = -1;
     if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
     // Across nodes the CUDA group is this rank's node: its ranks map each other's memory.

@@ -100,12 +100,14 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
 
   // What every rank must agree on travels with its device: the staging layout (peers read
   // each other's slots at the same offsets).
+  // The GPU by its UUID: ordinals differ between processes whose CUDA_VISIBLE_DEVICES differ.
   struct Record {
     uint64_t staging_bytes;
     int32_t num_slots;
-    uint8_t device, vmm, want, pad;  // want: TIDE_CUDA_SYMMETRIC's first letter
-  } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(device_), static_cast<uint8_t>(vmm_here),
-         static_cast<uint8_t>(want[0]), 0};
+    uint8_t vmm, want, pad[2];  // want: TIDE_CUDA_SYMMETRIC's first letter
+    DeviceUuid gpu;
+  } mine{opt_.staging_bytes, num_slots_, static_cast<uint8_t>(vmm_here), static_cast<uint8_t>(want[0]), {0, 0},
+         dc.uuid};
   const std::string dkey = ns_ + "/cuda/device";
   put_record(*store_, dkey, rank_, mine);
   std::vector<int> devices(ws_);
@@ -118,7 +120,7 @@ CudaGroup::CudaGroup(std::shared_ptr<Store> store, std::string ns, int rank, int
     TIDE_CHECK(rec.want == mine.want, "tide: cuda: rank ", rank_, ": TIDE_CUDA_SYMMETRIC differs between rank ", r,
                " and rank ", rank_, " ('", static_cast<char>(rec.want), "...' vs '", want,
                "'); it must be the same on every rank");
-    devices[r] = rec.device;
+    devices[r] = ordinal_of(caps_, rec.gpu);  // -1: not visible here
     vmm_everywhere = vmm_everywhere && rec.vmm;
   }
   ag_path_ = choose_allgather_path(caps_, devices);
@@ -253,7 +255,7 @@ cudaMemPool_t CudaGroup::transient_pool() {
 std::shared_ptr<CudaSymmetricBuffer> CudaGroup::allocate_symmetric(size_t bytes) {
   TIDE_CHECK(!broken_, "tide: cuda: rank ", rank_, ": group unusable after an earlier failure: ", broken_why());
   auto b = CudaSymmetricBuffer::allocate(store_, ns_ + "/cuda/sym/" + std::to_string(alloc_seq_++), rank_, ws_,
-                                         bytes, opt_.timeout, vmm_ ? fds_.get() : nullptr);
+                                         bytes, opt_.timeout, vmm_ ? fds_.get() : nullptr, opt_.across_nodes);
   b->leak_if(broken_shared_);
   return b;
 }

@@ -16,13 +16,11 @@
 namespace tide::cuda {
 namespace {
 
-// The NCCL already loaded in the process (torch's) if any, else the default libnccl.so.2.
-// Loaded with dlopen so that tide_cuda does not pin a second NCCL into the process.
+// The NCCL already loaded in the process (torch's, whose communicators TIDE is handed), or
+// 0: the probe never loads one itself (a second NCCL in a process is a bug waiting to happen).
 int nccl_version() {
   using Fn = int (*)(int*);  // ncclResult_t ncclGetVersion(int*)
   void* h = ::dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
-  if (!h) h = ::dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
-  if (!h) h = ::dlopen("libnccl.so", RTLD_NOW | RTLD_LOCAL);
   if (!h) return 0;
   int v = 0;
   if (auto fn = reinterpret_cast<Fn>(::dlsym(h, "ncclGetVersion"))) {
@@ -69,6 +67,7 @@ Capabilities probe() {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, d) == cudaSuccess) {
       dc.name = prop.name;
+      for (size_t i = 0; i < dc.uuid.size(); ++i) dc.uuid[i] = static_cast<uint8_t>(prop.uuid.bytes[i]);
       dc.cc_major = prop.major;
       dc.cc_minor = prop.minor;
       dc.total_memory = prop.totalGlobalMem;
@@ -121,6 +120,12 @@ std::string describe(const Capabilities& c) {
   return os.str();
 }
 
+int ordinal_of(const Capabilities& c, const DeviceUuid& uuid) {
+  for (const DeviceCaps& d : c.devices)
+    if (d.uuid == uuid) return d.ordinal;
+  return -1;
+}
+
 const char* path_name(AllGatherPath p) {
   switch (p) {
     case AllGatherPath::copy_engine: return "copy engines";
@@ -138,9 +143,15 @@ PathChoice choose_allgather_path(const Capabilities& c, const std::vector<int>& 
     return pc;
   };
   if (c.device_count == 0) return decide(AllGatherPath::nccl, "no CUDA device (" + c.error + ")");
-  for (int d : rank_devices)
-    if (d < 0 || d >= c.device_count)
+  for (size_t r = 0; r < rank_devices.size(); ++r) {
+    const int d = rank_devices[r];
+    if (d < 0)
+      return decide(AllGatherPath::nccl, "the GPU of local rank " + std::to_string(r) +
+                                             " is not visible in this process (a CUDA_VISIBLE_DEVICES per rank?): "
+                                             "peer access cannot be checked");
+    if (d >= c.device_count)
       return decide(AllGatherPath::nccl, "rank device " + std::to_string(d) + " does not exist");
+  }
   const std::set<int> distinct(rank_devices.begin(), rank_devices.end());
   // Copy engines over IPC / peer memory.
   std::string ce_why;

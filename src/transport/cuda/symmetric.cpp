@@ -58,7 +58,7 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
                                                                    const std::string& key, int rank,
                                                                    int world_size, size_t bytes,
                                                                    std::chrono::milliseconds timeout,
-                                                                   FdChannel* fds) {
+                                                                   FdChannel* fds, bool across_nodes) {
   TIDE_CHECK(store && world_size >= 1 && rank >= 0 && rank < world_size, "tide: cuda: rank ", rank,
              ": bad symmetric allocation arguments (world size ", world_size, ")");
   std::shared_ptr<CudaSymmetricBuffer> b(new CudaSymmetricBuffer());
@@ -73,7 +73,7 @@ std::shared_ptr<CudaSymmetricBuffer> CudaSymmetricBuffer::allocate(std::shared_p
   TIDE_CUDA_CHECK(cudaGetDevice(&dev));
   b->device_ = dev;
   if (fds) {
-    b->allocate_vmm(bytes, *fds);
+    b->allocate_vmm(bytes, *fds, across_nodes);
     return b;
   }
   // Always allocate something (a zero-byte part still needs a handle to exchange).
@@ -113,7 +113,7 @@ struct VmmRecord {
   uint64_t mapped;   // rounded up to the allocation granularity
 };
 
-void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
+void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds, bool across_nodes) {
   const Driver& drv = driver();
   TIDE_CHECK(drv.cuMemCreate && drv.cuMemGetAllocationGranularity && drv.cuMemExportToShareableHandle &&
                  drv.cuMemImportFromShareableHandle && drv.cuMemMap && drv.cuMemSetAccess && drv.cuMemAddressReserve,
@@ -126,15 +126,16 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device_;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  // GPUDirect RDMA where the device has it for cuMem memory, as ncclMemAlloc asks: NCCL's
-  // one-sided puts between nodes register the pool with the NIC.
+  // Across nodes, GPUDirect RDMA where the device has it for cuMem memory, as ncclMemAlloc
+  // asks: NCCL's one-sided puts between nodes register the pool with the NIC.
   CUdevice cu_device = 0;
   const bool queried = drv.cuDeviceGet && drv.cuDeviceGetAttribute && drv.cuDeviceGet(&cu_device, device_) == CUDA_SUCCESS;
   auto has = [&](CUdevice_attribute a) {
     int v = 0;
     return queried && drv.cuDeviceGetAttribute(&v, a, cu_device) == CUDA_SUCCESS && v != 0;
   };
-  if (has(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)) prop.allocFlags.gpuDirectRDMACapable = 1;
+  if (across_nodes && has(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED))
+    prop.allocFlags.gpuDirectRDMACapable = 1;
   size_t gran = 0;
   TIDE_CU_CHECK(drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
   CUmemAccessDesc access{};
@@ -156,10 +157,11 @@ void CudaSymmetricBuffer::allocate_vmm(size_t bytes, FdChannel& fds) {
 
   const size_t size = (std::max<size_t>(bytes, 1) + gran - 1) / gran * gran;
   CUmemGenericAllocationHandle own = 0;
-  // Fabric handles too where the device has them (multi-node NVLink), as ncclMemAlloc asks:
-  // NCCL exports a window's memory with the handle type of its own choice. Without an IMEX
-  // channel the driver refuses them: then POSIX fds alone.
-  if (has(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)) {
+  // Across nodes, fabric handles too where the device has them (multi-node NVLink), as
+  // ncclMemAlloc asks: NCCL exports a window's memory with the handle type of its own
+  // choice. Without an IMEX channel the driver refuses them: then POSIX fds alone. Inside a
+  // node the ranks exchange POSIX fds only, and nothing else is asked of the driver.
+  if (across_nodes && has(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED)) {
     CUmemAllocationProp with_fabric = prop;
     with_fabric.requestedHandleTypes =
         static_cast<CUmemAllocationHandleType>(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC);
