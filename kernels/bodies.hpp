@@ -23,7 +23,7 @@
 namespace tide::cuda {
 
 // Sources reduced by one accumulate launch; more are folded in by further launches
-// (accumulate_launch below).
+// (accumulate_in_order below).
 constexpr int kMaxAccumulateSources = 16;
 
 struct AccumulateSources {

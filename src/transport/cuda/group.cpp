@@ -368,6 +368,9 @@ std::string CudaGroup::flags_report() const {
   }
   s += detail::concat(" rank ", rank_, " expects:");
   for (uint32_t f = 0; f < kNumFlags; ++f) s += detail::concat(" ", flag_name(static_cast<FlagId>(f)), "=", epoch_[f].load());
+  // The reduce-scatter's window in flight stages in slot (rs_ready epoch) % slots.
+  s += detail::concat("; reduce-scatter step ", epoch_[kRsReady].load(), " in staging slot ",
+                      epoch_[kRsReady].load() % static_cast<uint64_t>(std::max(num_slots_, 1)), " of ", num_slots_);
   return s;
 }
 
