@@ -414,3 +414,98 @@ def test_slot_reuse_falls_back_when_storage_is_too_small():
     # 2 rows per rank of 256 bf16: the vacated storage (KiB) cannot hold a 2 MiB slot.
     t = run_ranks(staging_worker, 2, 2)[0]
     assert t["reused"] == 0 and t["fallback"] > 0 and t["slots"] > 0, t
+
+
+# ---- what a user asked for is done as asked ----------------------------------------------------
+def custom_collectives_worker(rank, ws):
+    """A user's own collectives that subclass FSDP2's defaults (to count, log or reorder):
+    on a tide group they run as written, never replaced by TIDE's."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    import tide.fsdp
+
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    class CountingAllGather(DefaultAllGather):
+        def __call__(self, *args, **kwargs):
+            calls["all_gather"] += 1
+            return super().__call__(*args, **kwargs)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        def __call__(self, *args, **kwargs):
+            calls["reduce_scatter"] += 1
+            return super().__call__(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = AwkwardModel()
+    mesh = init_device_mesh("cpu", (ws,))
+    for layer in model.llama.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if hasattr(m, "set_custom_all_gather"):
+            m.set_custom_all_gather(CountingAllGather())
+            m.set_custom_reduce_scatter(CountingReduceScatter())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+    return dict(calls=calls, stats=dict(tide.fsdp.stats), params={n: p.full_tensor() for n, p in model.named_parameters()},
+                warnings=[str(w.message) for w in caught if "tide" in str(w.message)])
+
+
+def test_a_users_subclass_of_fsdp2s_default_collectives_runs_as_written():
+    res = run_ranks(custom_collectives_worker, 2)
+    stock = run_ranks(train_worker, 2, False, backend="gloo")
+    for r in res:
+        assert r["calls"]["all_gather"] > 0 and r["calls"]["reduce_scatter"] > 0, r["calls"]
+        stats = r["stats"]
+        assert stats["zero_copy_all_gather"] == 0 and stats["zero_copy_reduce_scatter"] == 0, stats
+        assert any("CountingAllGather" in w for w in r["warnings"]), r["warnings"]
+        assert any("CountingReduceScatter" in w for w in r["warnings"]), r["warnings"]
+    # Two steps of the same training as stock's first two (the user's collectives are FSDP2's own).
+    assert set(res[0]["params"]) == set(stock[0]["params"])
+
+
+def async_unshard_worker(rank, ws, update):
+    """FSDP2's explicit unshard(async_op=True), with or without an in-place update of the
+    sharded parameters before its wait()."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = AwkwardModel()
+    fully_shard(model, mesh=init_device_mesh("cpu", (ws,)))
+    loss_of(model, batch(0, rank)).backward()  # lazy init and a first all-gather
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    handle = model.unshard(async_op=True)
+    if update:
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+    try:
+        handle.wait()
+    except RuntimeError as e:
+        return dict(error=str(e))
+    unsharded = {n: p.detach().clone() for n, p in model.named_parameters()}  # unsharded views now
+    model.reshard()
+    return dict(error=None, equal=all(torch.equal(unsharded[n], full[n]) for n in full))
+
+
+def test_updating_parameters_before_an_async_unshards_wait_is_an_error():
+    """TIDE-AG reads each shard where it lives while the all-gather runs (stock FSDP2 copies
+    it in at the call), so an update between unshard(async_op=True) and wait() would reach
+    the peers half done: TIDE raises instead, naming the parameter. Without the update the
+    async unshard delivers the full parameters."""
+    ok = run_ranks(async_unshard_worker, 2, False)
+    assert all(r["error"] is None and r["equal"] for r in ok), ok
+    bad = run_ranks(async_unshard_worker, 2, True)
+    for r in bad:
+        assert r["error"] and "modified in place between unshard(async_op=True)" in r["error"], r
+        assert "llama.tok_embeddings.weight" in r["error"] or "weight" in r["error"], r

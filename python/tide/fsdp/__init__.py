@@ -31,9 +31,9 @@ import warnings
 import torch
 
 from . import _core, _fingerprint, _gen_2_11, _gen_2_13, _gen_2_15
-from ._core import release_cuda_pools, stats
+from ._core import release_cuda_pools, stats, stats_by_group
 
-__all__ = ["install", "uninstall", "release_cuda_pools", "stats", "generation"]
+__all__ = ["install", "uninstall", "release_cuda_pools", "stats", "stats_by_group", "generation"]
 
 _GENERATIONS = (_gen_2_15, _gen_2_13, _gen_2_11)  # newest first
 _installed = None  # the adapter module in use

@@ -37,9 +37,19 @@ from .. import _C
 
 # Conversions the host transport does while copying / reducing (src/core/convert.hpp).
 _HALF = (torch.bfloat16, torch.float16)
-# How often each path ran in this process (tests check that the zero-copy path did run).
+# How often each path ran in this process (tests check that the zero-copy path did run),
+# in all and per param group (keyed by the fully qualified name of its first parameter).
 stats = {"zero_copy_all_gather": 0, "zero_copy_reduce_scatter": 0,
          "stock_all_gather": 0, "stock_reduce_scatter": 0}
+stats_by_group: dict = {}
+
+
+def _count(path: str, fsdp_params) -> None:
+    stats[path] += 1
+    fp = fsdp_params[0] if fsdp_params else None
+    key = (fp._param_fqn or fp._module_info.param_name) if fp is not None else "?"
+    group = stats_by_group.setdefault(key, dict.fromkeys(stats, 0))
+    group[path] += 1
 # FSDP2's functions that the installed adapter replaced or wrapped, by name.
 _originals: dict = {}
 # What the core relies on in every generation ({target: {fingerprint: torch versions}},
@@ -122,8 +132,10 @@ def _why_not_all_gather(fsdp_params, group, device, all_gather_comm, backend):
         return why
     if (why := _why_not_cuda(backend, device)) is not None:
         return why
-    if not isinstance(all_gather_comm, DefaultAllGather):
-        return "a custom all-gather (set_custom_all_gather) is installed"
+    # Exactly FSDP2's default: a user's subclass of it (or torch's process-group / symmetric
+    # memory allocating variants) is the user's choice, and runs as the user wrote it.
+    if type(all_gather_comm) is not DefaultAllGather:
+        return f"a custom all-gather ({type(all_gather_comm).__name__}, set_custom_all_gather) is installed"
     for fp in fsdp_params:
         if fp.sharded_state != ShardedState.SHARDED:
             return "parameters resharded to a smaller mesh after forward (reshard_after_forward=int)"
@@ -350,7 +362,7 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
     if state is None:
         if backend is not None and why != "world size 1":
             _fallback("all-gather", why)
-        stats["stock_all_gather"] += 1
+        _count("stock_all_gather", fsdp_params)
         return None
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGatherResult
 
@@ -395,7 +407,7 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             if storages is None:
                 _fallback("all-gather", "the symmetric pool is full (across nodes the unsharded "
                           "storages must come from it: raise TIDE_CUDA_POOL_BYTES)")
-                stats["stock_all_gather"] += 1
+                _count("stock_all_gather", fsdp_params)
                 return None
             for fp in fsdp_params:
                 fp._tide_ag_stream_storage = True
@@ -416,9 +428,14 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             "(paced recursive doubling), node-local from the node's peers" if nodes > 1 else "node-local")
     _debug(f"all-gather: zero-copy on {device.type}, {path}, {len(fsdp_params)} params into "
            "their own storage")
-    stats["zero_copy_all_gather"] += 1
+    _count("zero_copy_all_gather", fsdp_params)
     marker = torch.empty(0)
     marker._tide_zero_copy = True
+    if async_op:
+        # TIDE-AG reads every shard where it lives, when the all-gather runs, not at the call
+        # (stock FSDP2 copies the shards in at the call): an in-place update of a sharded
+        # parameter before the wait races with the peers' reads. Caught at the wait.
+        marker._tide_versions = [(fp, _shard_versions(fp)) for fp in fsdp_params]
     return AllGatherResult(marker, event, work, dtypes, numels, [n[0] for n in numels])
 
 
@@ -434,6 +451,13 @@ def make_foreach_all_gather(why_not):
     return foreach_all_gather
 
 
+def _shard_versions(fp):
+    """What an in-place update of a sharded parameter changes: the DTensor's version counter
+    (an update through the parameter, an optimizer's step) and its local data's (a write to
+    the local tensor; DTensor's own ops do not reach that counter)."""
+    return fp.sharded_param._version, fp._sharded_param_data._version
+
+
 def is_zero_copy(all_gather_result) -> bool:
     return getattr(all_gather_result.all_gather_output, "_tide_zero_copy", False)
 
@@ -446,6 +470,20 @@ def wait_all_gather(all_gather_result) -> None:
         torch.cuda.current_stream().wait_event(event)
     if work is not None:
         work.wait()  # the shards are already in place: nothing to copy out
+    check_shards_unchanged(all_gather_result)
+
+
+def check_shards_unchanged(all_gather_result) -> None:
+    """At the wait of an async TIDE-AG (every generation's copy-out seam calls this): no
+    sharded parameter was updated in place since the unshard."""
+    for fp, versions in getattr(all_gather_result.all_gather_output, "_tide_versions", ()):
+        if _shard_versions(fp) != versions:
+            raise RuntimeError(
+                f"tide FSDP2: the sharded parameter {fp._param_fqn or fp._module_info.param_name} was "
+                "modified in place between unshard(async_op=True) and its wait(): TIDE-AG reads each "
+                "shard where it lives while the all-gather runs, so the peers may have read it half "
+                "updated. Wait for the unshard before updating parameters (or TIDE_FSDP=0 for FSDP2's "
+                "copying path)")
 
 
 # ---- TIDE-RS ----------------------------------------------------------------------------------
@@ -487,8 +525,9 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
         why = "world size 1"
     elif why_not:
         why = why_not
-    elif not isinstance(reduce_scatter_comm, C.DefaultReduceScatter):
-        why = "a custom reduce-scatter (set_custom_reduce_scatter) is installed"
+    elif type(reduce_scatter_comm) is not C.DefaultReduceScatter:  # a subclass is the user's own
+        why = (f"a custom reduce-scatter ({type(reduce_scatter_comm).__name__}, set_custom_reduce_scatter) "
+               "is installed")
     elif predivide is not None:
         why = "pre-division for fp16 overflow safety"
     elif len({g.dtype for g in unsharded_grads}) != 1 or any(
@@ -507,7 +546,7 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
     if why is not None:
         if backend is not None and why != "world size 1":
             _fallback("reduce-scatter", why)
-        stats["stock_reduce_scatter"] += 1
+        _count("stock_reduce_scatter", fsdp_params)
         return None
 
     ws = reduce_scatter_group.size()
@@ -608,7 +647,7 @@ def _reduce_scatter_done(fsdp_params, backend, device):
     _debug(f"reduce-scatter: zero-copy on {device.type}, {path}, {len(fsdp_params)} params, "
            f"staging {report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
            f"all-gather storage)")
-    stats["zero_copy_reduce_scatter"] += 1
+    _count("zero_copy_reduce_scatter", fsdp_params)
 
 
 @dataclass
