@@ -84,3 +84,53 @@ def test_transformers_at_three_and_four_ranks(ws, family, bf16):
         assert max(abs(a - b) for a, b in zip(tide_clipped[r]["losses"], stock[r]["losses"])) < 1e-5
         assert_params_equal(tide_clipped[r]["params"], stock[r]["params"], f"ws {ws} rank {r}",
                             atol=ADAMW_SUM_ORDER_ATOL)
+
+
+# ---- LoRA / frozen bases (peft) ------------------------------------------------------------------
+def lora_worker(rank, ws, base_dtype, zero_copy=True):
+    """peft's LoRA on the transformers Llama: the base frozen in `base_dtype`, the adapters
+    trainable in fp32, in the same param groups (one fully_shard per decoder layer)."""
+    import warnings
+
+    import peft
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import tide.fsdp
+
+    if not zero_copy:
+        tide.fsdp.uninstall()
+    model = hf_model("llama", tied=False).to(base_dtype)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                       init_lora_weights=False))
+    for n, p in model.named_parameters():  # the adapters in fp32 beside the base
+        if "lora_" in n:
+            p.data = p.data.float()
+    shard_decoder(model.base_model.model, init_device_mesh("cpu", (ws,)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=ADAMW_LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [hf_step(model, opt, step, rank, clip=None) for step in range(STEPS)]
+    return dict(losses=losses, params=full_params(model), paths=tide_paths(),
+                warnings=sorted({str(w.message) for w in caught if str(w.message).startswith("tide:")}),
+                dtypes=sorted({str(p.dtype) for p in model.parameters()}))
+
+
+@pytest.mark.parametrize("base_dtype", [torch.bfloat16, torch.float32], ids=["bf16-base", "fp32-base"])
+def test_lora_adapters_beside_a_frozen_base(base_dtype):
+    """A group of mixed dtypes (bf16 base, fp32 adapters) is all-gathered zero-copy, one
+    TIDE-AG per dtype; the reduce-scatter carries the adapters' gradients only."""
+    tide_run = run_ranks(lora_worker, 2, base_dtype, timeout=300)
+    stock = run_ranks(lora_worker, 2, base_dtype, kwargs=dict(zero_copy=False), backend="gloo", timeout=300)
+    want = {"torch.float32"} | {str(base_dtype)}
+    for r in range(2):
+        assert set(tide_run[r]["dtypes"]) == want, tide_run[r]["dtypes"]
+        assert not tide_run[r]["warnings"], tide_run[r]["warnings"]
+        assert tide_run[r]["losses"] == stock[r]["losses"]
+        assert_params_equal(tide_run[r]["params"], stock[r]["params"], f"LoRA rank {r}")
+    # The root's group (embeddings, norm, head) is frozen: it gathers, never reduces.
+    for r, res in enumerate(tide_run):
+        stats, by_group = res["paths"]["stats"], res["paths"]["by_group"]
+        assert stats["stock_all_gather"] == 0 and stats["stock_reduce_scatter"] == 0, (r, stats)
+        assert len(by_group) == 3 and all(c["zero_copy_all_gather"] > 0 for c in by_group.values()), by_group
+        assert sum(c["zero_copy_reduce_scatter"] > 0 for c in by_group.values()) == 2, by_group

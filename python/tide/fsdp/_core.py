@@ -38,7 +38,9 @@ from .. import _C
 # Conversions the host transport does while copying / reducing (src/core/convert.hpp).
 _HALF = (torch.bfloat16, torch.float16)
 # How often each path ran in this process (tests check that the zero-copy path did run),
-# in all and per param group (keyed by the fully qualified name of its first parameter).
+# in all and per param group (keyed by the fully qualified name of its first parameter: the
+# all-gather sees the whole group and tells each parameter; a reduce-scatter may see only
+# the parameters with gradients).
 stats = {"zero_copy_all_gather": 0, "zero_copy_reduce_scatter": 0,
          "stock_all_gather": 0, "stock_reduce_scatter": 0}
 stats_by_group: dict = {}
@@ -47,7 +49,10 @@ stats_by_group: dict = {}
 def _count(path: str, fsdp_params) -> None:
     stats[path] += 1
     fp = fsdp_params[0] if fsdp_params else None
-    key = (fp._param_fqn or fp._module_info.param_name) if fp is not None else "?"
+    key = getattr(fp, "_tide_group_key", None) or (fp._param_fqn or fp._module_info.param_name) if fp else "?"
+    if path.endswith("all_gather"):
+        for other in fsdp_params:
+            other._tide_group_key = key
     group = stats_by_group.setdefault(key, dict.fromkeys(stats, 0))
     group[path] += 1
 # FSDP2's functions that the installed adapter replaced or wrapped, by name.
@@ -213,8 +218,7 @@ def _group_state(fsdp_params, group, backend, device):
                                 state.offsets[i])
         return state, None
     dtypes = {fp.orig_dtype for fp in fsdp_params}
-    if len(dtypes) != 1:
-        return None, f"parameters of mixed dtypes in one group ({sorted(map(str, dtypes))})"
+    assert len(dtypes) == 1, dtypes  # _group_states splits a group by dtype
     if any(fp._sharded_param_data.storage_offset() != 0 for fp in fsdp_params):
         return None, "a sharded parameter that does not start its storage (storage_offset != 0)"
     dtype = dtypes.pop()
@@ -251,6 +255,23 @@ def _group_state(fsdp_params, group, backend, device):
     _debug(f"group of {len(fsdp_params)} params: shards moved to symmetric memory on "
            f"{shards.device} ({total} bytes per rank)")
     return state, None
+
+
+def _group_states(fsdp_params, group, backend, device):
+    """([(indices, state)], None): one state per parameter dtype of the group, in order of
+    first appearance (the same on every rank: creating a state is collective), so a group
+    of mixed dtypes (LoRA: a frozen bf16 base beside fp32 adapters) is all-gathered by one
+    TIDE-AG per dtype; or (None, why not)."""
+    by_dtype: dict = {}
+    for i, fp in enumerate(fsdp_params):
+        by_dtype.setdefault(fp.orig_dtype, []).append(i)
+    parts = []
+    for indices in by_dtype.values():
+        state, why = _group_state([fsdp_params[i] for i in indices], group, backend, device)
+        if state is None:
+            return None, why
+        parts.append((indices, state))
+    return parts, None
 
 
 # One pool per (process group backend, device), held until release_cuda_pools() or exit:
@@ -356,10 +377,10 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
     backend = _tide_backend(group, device)
     why = why_not if backend is not None and why_not else _why_not_all_gather(
         fsdp_params, group, device, all_gather_comm, backend)
-    state = None
+    parts = None
     if why is None:
-        state, why = _group_state(fsdp_params, group, backend, device)
-    if state is None:
+        parts, why = _group_states(fsdp_params, group, backend, device)
+    if parts is None:
         if backend is not None and why != "world size 1":
             _fallback("all-gather", why)
         _count("stock_all_gather", fsdp_params)
@@ -376,9 +397,10 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
             fp.init_all_gather_outputs(numel, dtype, ws, device)
             storage = fp.all_gather_outputs[0]
             got = None
-            if state.pool is not None and getattr(fp, "_tide_pool_block", None) is None:
+            pool = fp._tide_state.pool
+            if pool is not None and getattr(fp, "_tide_pool_block", None) is None:
                 nbytes = storage.numel() * storage.element_size()
-                got = state.pool.alloc(nbytes)
+                got = pool.alloc(nbytes)
                 if got is None and backend.num_nodes() > 1:
                     # Node peers read the storages, so they must come from the pool. Every
                     # rank makes the same requests, so every rank gets here together.
@@ -387,12 +409,17 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
                 offset, events = got
                 for event in events:
                     stream.wait_event(event)
-                _C.point_storage(storage, state.pool.memory, state.pool.rank, offset, nbytes)
-                fp._tide_pool_block = (state.pool, offset, nbytes)
+                _C.point_storage(storage, pool.memory, pool.rank, offset, nbytes)
+                fp._tide_pool_block = (pool, offset, nbytes)
             else:
                 fp.alloc_all_gather_outputs()
             storages.append(storage)
         return storages
+
+    def all_gather_each(storages):
+        """One TIDE-AG per dtype of the group, in order; their Works."""
+        return [_as_c10d(group, backend, device, "all_gather", lambda st=st, idx=idx: backend.stage_param_all_gather(
+            st.layout, st.shards, st.offsets, st.dtype, [storages[i] for i in idx])) for idx, st in parts]
 
     event = None
     if device.type == "cuda":
@@ -411,18 +438,17 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
                 return None
             for fp in fsdp_params:
                 fp._tide_ag_stream_storage = True
-            work = _as_c10d(group, backend, device, "all_gather", lambda: backend.stage_param_all_gather(
-                state.layout, state.shards, state.offsets, state.dtype, storages))
-            event = all_gather_stream.record_event()
+            works = all_gather_each(storages)
+            event = all_gather_stream.record_event()  # after every dtype's all-gather
         if not async_op:
-            work = None
+            works = []
     else:
         storages = alloc_storages()
-        work = _as_c10d(group, backend, device, "all_gather", lambda: backend.stage_param_all_gather(
-            state.layout, state.shards, state.offsets, state.dtype, storages))
+        works = all_gather_each(storages)
         if not async_op:
-            work.wait()
-            work = None
+            for w in works:
+                w.wait()
+            works = []
     nodes = backend.num_nodes()
     path = (f"across {nodes} nodes: inter-node over {backend.inter_node_engine(_device_index(device))} "
             "(paced recursive doubling), node-local from the node's peers" if nodes > 1 else "node-local")
@@ -431,6 +457,10 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
     _count("zero_copy_all_gather", fsdp_params)
     marker = torch.empty(0)
     marker._tide_zero_copy = True
+    # FSDP2 holds one Work per all-gather (and waits for it where it is a c10d Work): the
+    # last dtype's; the others are waited for at the copy-out (finish_zero_copy).
+    work = works[-1] if works else None
+    marker._tide_works = works[:-1]
     if async_op:
         # TIDE-AG reads every shard where it lives, when the all-gather runs, not at the call
         # (stock FSDP2 copies the shards in at the call): an in-place update of a sharded
@@ -470,12 +500,15 @@ def wait_all_gather(all_gather_result) -> None:
         torch.cuda.current_stream().wait_event(event)
     if work is not None:
         work.wait()  # the shards are already in place: nothing to copy out
-    check_shards_unchanged(all_gather_result)
+    finish_zero_copy(all_gather_result)
 
 
-def check_shards_unchanged(all_gather_result) -> None:
-    """At the wait of an async TIDE-AG (every generation's copy-out seam calls this): no
-    sharded parameter was updated in place since the unshard."""
+def finish_zero_copy(all_gather_result) -> None:
+    """At the wait of an async TIDE-AG (every generation's copy-out seam calls this, after
+    FSDP2's own wait): the other dtypes' all-gathers are waited for, and no sharded parameter
+    was updated in place since the unshard."""
+    for work in getattr(all_gather_result.all_gather_output, "_tide_works", ()):
+        work.wait()
     for fp, versions in getattr(all_gather_result.all_gather_output, "_tide_versions", ()):
         if _shard_versions(fp) != versions:
             raise RuntimeError(

@@ -34,7 +34,7 @@ class _OutputFn:
     def __call__(self, fsdp_params, all_gather_result, world_size):
         if not _core.is_zero_copy(all_gather_result):
             return self.inner(fsdp_params, all_gather_result, world_size)
-        _core.check_shards_unchanged(all_gather_result)  # FSDP2 waited for it already
+        _core.finish_zero_copy(all_gather_result)  # FSDP2 waited for its Work already
 
 
 def _param_group_init(self, *args, **kwargs):
