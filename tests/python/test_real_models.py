@@ -134,3 +134,86 @@ def test_lora_adapters_beside_a_frozen_base(base_dtype):
         assert stats["stock_all_gather"] == 0 and stats["stock_reduce_scatter"] == 0, (r, stats)
         assert len(by_group) == 3 and all(c["zero_copy_all_gather"] > 0 for c in by_group.values()), by_group
         assert sum(c["zero_copy_reduce_scatter"] > 0 for c in by_group.values()) == 2, by_group
+
+
+# ---- torchtitan's FSDP recipe ----------------------------------------------------------------------
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+class CausalSdpa(torch.nn.Module):
+    """What replaces torchtitan's inner attention kernel on CPU, and nothing else: its
+    language models take flex or varlen attention only, and flex attention has no backward on
+    CPU. The same causal attention, through torch's scaled_dot_product_attention, on the
+    (batch, seq, heads, head_dim) tensors torchtitan's attention module hands its kernel."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def titan_worker(rank, ws, weight_tying, bf16, zero_copy=True):
+    """torchtitan's Llama3 debug model (6 layers, dim 256, vocab 2048) on the meta device,
+    torchtitan's apply_fsdp_to_decoder (per-block fully_shard, its reshard-after-forward
+    policy and mixed-precision policy; the embeddings, norm and head as one fully_shard on a
+    list where weights are tied), materialised with to_empty and torchtitan's own init."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.models.llama3 import model_registry
+
+    import tide.fsdp
+
+    if not zero_copy:
+        tide.fsdp.uninstall()
+    config = model_registry("debugmodel", attn_backend="flex").model
+    if weight_tying:
+        config = dataclasses.replace(config, enable_weight_tying=True)
+    with torch.device("meta"):
+        model = config.build()
+    for block in model.layers.values():
+        block.attention.inner_attention = CausalSdpa()
+    apply_fsdp_to_decoder(model, init_device_mesh("cpu", (ws,)),
+                          param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32,
+                          pp_enabled=False)
+    if not zero_copy:
+        # The gloo reference's one change: torchtitan turns FSDP2's gradient division off
+        # (factor 1.0, a PREMUL_SUM that NCCL and tide run and gloo refuses); FSDP2's
+        # force-sum mode sums and divides by 1.0 instead, bit for bit the same sums.
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, 2048, (2, 33), generator=g)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(losses=losses, params=full_params(model), paths=tide_paths())
+
+
+@pytest.mark.skipif(TORCH < (2, 15), reason="torchtitan 0.3.0 imports FSDP2's DataParallelMeshDims (torch 2.15)")
+@pytest.mark.parametrize("weight_tying, bf16", [(False, True), (True, False)], ids=["bf16", "tied-fp32"])
+def test_torchtitan_fsdp_recipe_on_its_llama3_debug_model(weight_tying, bf16):
+    tide_run = run_ranks(titan_worker, 2, weight_tying, bf16, timeout=600)
+    stock = run_ranks(titan_worker, 2, weight_tying, bf16, kwargs=dict(zero_copy=False), backend="gloo",
+                      timeout=600)
+    # 6 blocks, and the embeddings and head: apart (2 groups) or tied (1 list group).
+    assert_tide_ran_everywhere(tide_run, groups=7 if weight_tying else 8)
+    for r in range(2):
+        assert tide_run[r]["losses"] == stock[r]["losses"]
+        assert_params_equal(tide_run[r]["params"], stock[r]["params"], f"torchtitan rank {r}")

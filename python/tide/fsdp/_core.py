@@ -547,6 +547,7 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
 
     backend = _tide_backend(reduce_scatter_group, device)
     grad_dtype = unsharded_grads[0].dtype
+    grad_dtypes = {g.dtype for g in unsharded_grads}  # mixed: a torchtitan norm's fp32 beside bf16
     reduce_dtype = reduce_dtype or grad_dtype
     predivide, postdivide, rs_op, all_reduce_op = C._get_gradient_divide_factors(
         reduce_scatter_group, all_reduce_group, reduce_dtype, device.type,
@@ -563,12 +564,13 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                "is installed")
     elif predivide is not None:
         why = "pre-division for fp16 overflow safety"
-    elif len({g.dtype for g in unsharded_grads}) != 1 or any(
-            fp.offload_to_cpu for fp in fsdp_params):
-        why = "mixed gradient dtypes or CPU offload"
-    elif not (reduce_dtype == grad_dtype
-              or (reduce_dtype == torch.float32 and grad_dtype in _HALF)):
-        why = f"reduce dtype {reduce_dtype} for {grad_dtype} gradients"
+    elif any(fp.offload_to_cpu for fp in fsdp_params):
+        why = "CPU offload"
+    elif bad := sorted(str(d) for d in grad_dtypes if not (
+            reduce_dtype == d or (reduce_dtype == torch.float32 and d in _HALF))):
+        why = f"reduce dtype {reduce_dtype} for {', '.join(bad)} gradients"
+    elif device.type == "cuda" and len(grad_dtypes) > 1:
+        why = "gradients of mixed dtypes on CUDA (one TIDE-RS per dtype runs on CPU tensors only)"
     elif (nodes_why := _why_not_nodes(backend, device, "reduce_scatter")) is not None:
         why = nodes_why
     elif (cuda_why := _why_not_cuda(backend, device)) is not None:
@@ -619,10 +621,17 @@ def reduce_scatter(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
                                     device, state.pool if state is not None else None, hsdp)
     reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
     reuse, regions = _vacated_storage(state)
-    work = _as_c10d(reduce_scatter_group, backend, device, "reduce_scatter",
-                    lambda: backend.stage_param_reduce_scatter(layout, grads, reduce_output,
-                                                               out_offsets, rs_op, reuse, regions))
-    work.wait()
+    # One TIDE-RS per gradient dtype, each into its parameters' places of the one output.
+    by_dtype: dict = {}
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for indices in by_dtype.values():
+        sub = layout if len(by_dtype) == 1 else _plan([fsdp_params[i] for i in indices], ws)
+        work = _as_c10d(reduce_scatter_group, backend, device, "reduce_scatter",
+                        lambda sub=sub, indices=indices: backend.stage_param_reduce_scatter(
+                            sub, [grads[i] for i in indices], reduce_output, [out_offsets[i] for i in indices],
+                            rs_op, reuse, regions))
+        work.wait()
     for off, nbytes in regions:
         reuse.release(off, nbytes)  # staging done: the vacated storage is free again
     _reduce_scatter_done(fsdp_params, backend, device)
