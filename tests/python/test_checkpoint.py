@@ -16,8 +16,6 @@ from dist_harness import run_ranks
 from real_models import (ADAMW_LR, assert_params_equal, assert_tide_ran_everywhere, full_params, hf_model,
                          hf_step, shard_decoder, tide_paths)
 
-pytest.importorskip("transformers", reason="transformers is a test dependency (scripts/requirements.txt)")
-
 
 def _state(model, opt):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

@@ -308,6 +308,7 @@ def test_fsdp2_on_cuda_matches_stock_fsdp2_on_gloo(ws, shard1):
     for r in range(ws):
         stats = cuda[r]["stats"]
         assert stats["zero_copy_all_gather"] > 0 and stats["zero_copy_reduce_scatter"] > 0, stats
+        assert stats["stock_all_gather"] == 0 and stats["stock_reduce_scatter"] == 0, stats
         _assert_close(cuda[r]["shards"], gloo[r]["shards"], 1e-4, f"rank {r} cuda tide vs gloo")
         assert max(abs(a - b) for a, b in zip(cuda[r]["losses"], gloo[r]["losses"])) < 1e-4
 
@@ -318,7 +319,9 @@ def test_fsdp2_bf16_on_cuda_matches_reference():
     cuda = run_ranks(fsdp_worker, 2, "cuda", kwargs=dict(bf16=True), timeout=300)
     gloo = _stock_on_gloo(2)
     for r in range(2):
-        assert cuda[r]["stats"]["zero_copy_reduce_scatter"] > 0, cuda[r]["stats"]
+        stats = cuda[r]["stats"]
+        assert stats["zero_copy_reduce_scatter"] > 0 and stats["zero_copy_all_gather"] > 0, stats
+        assert stats["stock_all_gather"] == 0 and stats["stock_reduce_scatter"] == 0, stats
         _assert_close(cuda[r]["shards"], gloo[r]["shards"], 1e-2, f"rank {r} bf16 vs fp32")
 
 

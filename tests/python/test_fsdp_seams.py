@@ -46,6 +46,7 @@ def seam_worker(rank, ws, zero_copy, create_graph=False, grad_dtype=False):
 
 def compare(zc, stock, what):
     assert zc["stats"]["zero_copy_reduce_scatter"] > 0, f"{what}: the zero-copy path did not run"
+    assert zc["stats"]["stock_reduce_scatter"] == 0, f"{what}: a stock reduce-scatter ran: {zc['stats']}"
     for n, (dtype, req, fn, g) in stock["grads"].items():
         zd, zreq, zfn, zg = zc["grads"][n]
         assert (zd, zreq, zfn) == (dtype, req, fn), f"{what}: {n}: tide {(zd, zreq, zfn)}, stock {(dtype, req, fn)}"

@@ -140,6 +140,7 @@ def train_worker(rank, ws, zero_copy, bf16=False, shard1=False, accumulate=False
     algorithm = staging.host_allgather_algorithm() if zero_copy and hasattr(
         staging, "host_allgather_algorithm") else None
     return dict(losses=losses, params=params, names=names, stats=dict(tide.fsdp.stats),
+                by_group={k: dict(v) for k, v in tide.fsdp.stats_by_group.items()},
                 events=events if debug_log else None, log=log.getvalue(),
                 comm_counts=comm_counts, c10d_events=c10d_events,
                 stale_state_dict=stale, algorithm=algorithm,
@@ -160,13 +161,18 @@ def reference_worker(rank, _ws, ws):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def assert_zero_copy_ran(result, all_gather=True, reduce_scatter=True):
-    """Parity with stock proves nothing if tide silently fell back to stock."""
-    stats = result["stats"]
-    if all_gather:
-        assert stats["zero_copy_all_gather"] > 0, stats
-    if reduce_scatter:
-        assert stats["zero_copy_reduce_scatter"] > 0, stats
+def assert_zero_copy_ran(results, all_gather=True, reduce_scatter=True):
+    """Parity with stock proves nothing if tide silently fell back to stock: on every rank,
+    every param group's collectives of each kind asked for took TIDE's path (the stock count
+    is zero)."""
+    for rank, result in enumerate(results):
+        stats, groups = result["stats"], result["by_group"]
+        for kind, wanted in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter)):
+            if not wanted:
+                continue
+            assert stats[f"zero_copy_{kind}"] > 0 and stats[f"stock_{kind}"] == 0, (rank, stats)
+            for name, counts in groups.items():
+                assert counts[f"zero_copy_{kind}"] > 0, (rank, name, counts)
 
 
 def assert_params_equal(a, b, what, atol=0.0):
@@ -184,7 +190,7 @@ def test_fp32_zero_copy_is_bitwise_equal_to_stock_fsdp2_on_tide(ws):
     """Same reductions in the same order: the zero-copy path must give the same bits."""
     zc = run_ranks(train_worker, ws, True)
     stock = run_ranks(train_worker, ws, False)
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     assert stock[0]["stats"]["zero_copy_all_gather"] == 0
     assert not zc[0]["stale_state_dict"], "a state_dict taken before training went stale"
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"ws={ws} zero-copy vs stock on tide")
@@ -195,7 +201,7 @@ def test_fp32_matches_stock_fsdp2_on_gloo():
     """At 2 ranks a + b is the same in any order, so tide equals gloo bit for bit."""
     zc = run_ranks(train_worker, 2, True)
     gloo = run_ranks(train_worker, 2, False, backend="gloo")
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     assert_params_equal(zc[0]["params"], gloo[0]["params"], "tide zero-copy vs stock on gloo")
 
 
@@ -204,7 +210,7 @@ def test_collectives_are_visible_to_comm_debug_mode_and_the_profiler():
     step shows the same c10d collectives, as many, as stock FSDP2 on gloo."""
     zc = run_ranks(train_worker, 2, True, kwargs=dict(comm_debug=True, profile=True))
     gloo = run_ranks(train_worker, 2, False, backend="gloo", kwargs=dict(comm_debug=True, profile=True))
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     for r in range(2):
         counts = zc[r]["comm_counts"]
         assert counts.get("c10d._allgather_base_", 0) > 0, counts
@@ -227,7 +233,7 @@ def test_bf16_mixed_precision_matches_reference():
     process: bf16 rounding of params and activations bounds the difference (stated 1e-2
     after 3 SGD steps at lr 0.5)."""
     zc = run_ranks(train_worker, 2, True, True)
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     ref = run_ranks(reference_worker, 1, 2, backend=None)[0]
     assert_params_equal(zc[0]["params"], ref, "bf16 tide vs fp32 reference", atol=1e-2)
     stock = run_ranks(train_worker, 2, False, True)  # stock FSDP2 code path over tide
@@ -239,7 +245,7 @@ def test_shard_dim1_accumulation_and_no_reshard(ws):
     opts = dict(shard1=True, accumulate=True, reshard=False)
     zc = run_ranks(train_worker, ws, True, kwargs=opts)
     stock = run_ranks(train_worker, ws, False, kwargs=opts)
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"Shard(1)+accumulation ws={ws}")
 
 
@@ -262,7 +268,8 @@ def test_more_fsdp2_features_match_stock(opts, stock_paths, monkeypatch):
     stats = zc[0]["stats"]
     for path in stock_paths:
         assert stats[path] > 0, f"expected a stock {path} fallback: {stats}"
-    assert_zero_copy_ran(zc[0], reduce_scatter="stock_reduce_scatter" not in stock_paths)
+    assert_zero_copy_ran(zc, all_gather="stock_all_gather" not in stock_paths,
+                         reduce_scatter="stock_reduce_scatter" not in stock_paths)
     if opts.get("slot_reuse"):
         assert zc[0]["staging"][1] > 0, f"no slot was reused: {zc[0]['staging']}"
     assert_params_equal(zc[0]["params"], stock[0]["params"], f"{opts}")
@@ -277,7 +284,7 @@ def test_recursive_doubling_all_gather_in_fsdp2_matches_stock(monkeypatch):
     zc = run_ranks(train_worker, 3, True, True)
     monkeypatch.delenv("TIDE_HOST_ALLGATHER")
     stock = run_ranks(train_worker, 3, False, True)
-    assert_zero_copy_ran(zc[0])
+    assert_zero_copy_ran(zc)
     assert zc[0]["algorithm"] == "doubling", zc[0]["algorithm"]  # equal bits prove nothing else
     assert_params_equal(zc[0]["params"], stock[0]["params"], "recursive doubling vs stock")
     assert zc[0]["losses"] == stock[0]["losses"]
@@ -327,9 +334,9 @@ def test_param_groups_made_before_tide_is_installed():
     stats = late[0]["stats"]
     if tide.fsdp.generation() == "2.15":
         assert stats["zero_copy_all_gather"] == 0 and stats["stock_all_gather"] > 0, stats
-        assert_zero_copy_ran(late[0], all_gather=False)
+        assert_zero_copy_ran(late, all_gather=False)
     else:
-        assert_zero_copy_ran(late[0])
+        assert_zero_copy_ran(late)
     assert_params_equal(late[0]["params"], stock[0]["params"], "groups made before install")
 
 

@@ -18,8 +18,6 @@ from dist_harness import run_ranks
 from real_models import (ADAMW_LR, ADAMW_SUM_ORDER_ATOL, assert_params_equal, assert_tide_ran_everywhere,
                          full_params, hf_model, hf_step, shard_decoder, tide_paths)
 
-pytest.importorskip("transformers", reason="transformers is a test dependency (scripts/requirements.txt)")
-
 STEPS = 3
 
 
