@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from dist_harness import run_ranks
+from real_models import assert_params_equal
 
 STEPS = 3
 # SGD, not Adam: Adam turns rounding-level differences of near-zero gradients into
@@ -173,16 +174,6 @@ def assert_zero_copy_ran(results, all_gather=True, reduce_scatter=True):
             assert stats[f"zero_copy_{kind}"] > 0 and stats[f"stock_{kind}"] == 0, (rank, stats)
             for name, counts in groups.items():
                 assert counts[f"zero_copy_{kind}"] > 0, (rank, name, counts)
-
-
-def assert_params_equal(a, b, what, atol=0.0):
-    assert a.keys() == b.keys()
-    for n in a:
-        if atol == 0.0:
-            assert torch.equal(a[n], b[n]), f"{what}: {n} differs by {(a[n] - b[n]).abs().max()}"
-        else:
-            diff = (a[n].double() - b[n].double()).abs().max().item()
-            assert diff <= atol, f"{what}: {n} differs by {diff} > {atol}"
 
 
 @pytest.mark.parametrize("ws", [2, 3])
