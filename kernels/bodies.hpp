@@ -6,7 +6,7 @@
 // the two: a 16-byte load and store, the dtype conversions, fp32 add and multiply rounded to
 // nearest (never contracted into an FMA on either side).
 //
-// No CUDA header is needed outside nvcc: host code (rs_common.cpp, the tests) includes this.
+// No CUDA header is needed outside nvcc: host code (rs_node.cpp, the tests) includes this.
 #pragma once
 #include <algorithm>
 #include <cstddef>

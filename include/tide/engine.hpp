@@ -1,10 +1,12 @@
 // Between nodes: an existing engine moves the bytes (torch's gloo on CPUs; on GPUs the NCCL
 // that torch loaded), behind this one small interface. Inside a node: the node's peers
-// (their storages in symmetric memory, a progress counter per rank, a barrier). The
-// two-level collectives are written once against both (src/collectives/node_*.cpp).
+// (their storages in symmetric memory, a progress counter per rank, a barrier). TIDE-AG
+// across nodes is written once against both (src/collectives/node_all_gather.cpp); TIDE-RS
+// against Engine and RsNode (include/tide/rs_node.hpp).
 #pragma once
 #include <chrono>
 #include <cstddef>
+#include <deque>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "tide/comm.hpp"
+#include "tide/error.hpp"
 #include "tide/plan.hpp"
 
 namespace tide {
@@ -53,16 +56,70 @@ class Engine {
   // next collective's finish() never pairs with a stale exchange. Engines that keep nothing
   // in flight have nothing to do.
   virtual void abandon() {}
-  void exchange(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
-                std::shared_ptr<const void> keep_alive = nullptr) {
-    start(sends, recvs, std::move(keep_alive));
-    finish();
-  }
 };
 
 // The distinct peers of an exchange in ascending order, as "2, 6": engines name them when
 // an exchange fails.
 std::string peer_list(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs);
+
+// An engine's exchanges: those started and not finished, oldest first, and those that
+// failed, kept for the engine's life (a late delivery may still land in their buffers).
+// Exchange holds what the engine needs to finish one, its keep_alive and its `peers`.
+template <class Exchange>
+class InFlight {
+ public:
+  Exchange& start() { return in_flight_.emplace_back(); }
+  // Starts an exchange with these peers: post(exchange) posts its messages. If that throws
+  // (a peer already gone), the exchange is kept and a TimeoutError names the engine and the
+  // peers, as finish() does.
+  template <class Post>
+  void start(const std::string& engine, std::string peers, Post&& post) {
+    Exchange& exchange = start();
+    exchange.peers = std::move(peers);
+    try {
+      post(exchange);
+    } catch (const std::exception& e) {
+      std::string why = failure(engine, exchange.peers, e);
+      fail_newest();
+      throw TimeoutError(std::move(why));
+    }
+  }
+  // The newest exchange could not be started: kept with the failed.
+  void fail_newest() {
+    failed_.push_back(std::move(in_flight_.back()));
+    in_flight_.pop_back();
+  }
+  // Finishes the oldest with wait(exchange). If that throws, the exchange is kept and a
+  // TimeoutError names the engine and the exchange's peers.
+  template <class Wait>
+  void finish(const std::string& engine, Wait&& wait) {
+    TIDE_CHECK(!in_flight_.empty(), "tide inter-node exchange over ", engine, ": finish() without start()");
+    Exchange exchange = std::move(in_flight_.front());
+    in_flight_.pop_front();
+    try {
+      wait(exchange);
+    } catch (const std::exception& e) {
+      std::string why = failure(engine, exchange.peers, e);
+      failed_.push_back(std::move(exchange));
+      throw TimeoutError(std::move(why));
+    }
+  }
+  // Everything in flight joins the failed; returns whether there was any.
+  bool abandon() {
+    const bool any = !in_flight_.empty();
+    for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
+    in_flight_.clear();
+    return any;
+  }
+  bool empty() const { return in_flight_.empty(); }
+
+ private:
+  static std::string failure(const std::string& engine, const std::string& peers, const std::exception& e) {
+    return detail::concat("inter-node exchange over ", engine, " with ranks ", peers, " failed: ", e.what());
+  }
+  std::deque<Exchange> in_flight_;
+  std::vector<Exchange> failed_;
+};
 
 class NodePeers {
  public:

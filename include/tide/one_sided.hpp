@@ -73,6 +73,7 @@ class OneSidedEngine final : public Engine {
     std::vector<std::pair<int, uint64_t>> data;  // per peer putting here: the signal count its puts end at
     bool two_sided = false;
     std::shared_ptr<const void> keep_alive;
+    std::string peers;  // for the error: "2, 6"
   };
   // Waits, in issue order, until `peer` has sent this rank `target` signals in all.
   void wait_until(std::vector<OneSidedWire::Wait>& batch, int peer, uint64_t target);
@@ -83,8 +84,7 @@ class OneSidedEngine final : public Engine {
   std::string name_;
   std::map<int, uint64_t> expected_;  // per peer: its signals to this rank, through the exchanges started
   std::map<int, uint64_t> waited_;    // per peer: how many of them the waits issued so far cover
-  std::deque<Exchange> in_flight_;
-  std::vector<Exchange> failed_;  // kept: late puts may still land in their buffers
+  InFlight<Exchange> exchanges_;  // failed ones kept: late puts may still land in their buffers
   bool broken_ = false;           // after a failure the counts no longer pair up
   int64_t bytes_put_ = 0;
 };

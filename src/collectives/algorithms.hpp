@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "tide/comm.hpp"
+#include "tide/rs_node.hpp"
 #include "tide/transport.hpp"
 
 namespace tide::algo {
@@ -66,37 +68,15 @@ void all_to_all(Ctx& c, const void* in, std::span<const size_t> send_bytes, std:
                 void* out, std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets,
                 size_t max_bytes);
 void send(Ctx& c, const void* buf, size_t bytes, int peer, int tag);
+void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag);
 
-// The FSDP2 zero-copy path (param_all_gather.cpp, param_reduce_scatter.cpp). Arguments are
+// The FSDP2 zero-copy path: TIDE-AG on one host (param_all_gather.cpp). Arguments are
 // checked and agreed; the descriptor exchange before them is the opening barrier.
 void param_all_gather(Ctx& c, const ParamAllGather& args);
 // The same result by paced recursive doubling (plan::allgather_schedule), through staging:
 // the inter-node algorithm, run on one host (param_all_gather_doubling.cpp).
 void param_all_gather_doubling(Ctx& c, const ParamAllGather& args, size_t pace_bytes);
-StagingReport param_reduce_scatter(Ctx& c, const ParamReduceScatter& args);
-// TIDE-RS across nodes (args.nodes): the node's ranks reduce into fp32 node partials, which
-// the engine moves along each rail (node_reduce_scatter.cpp).
-StagingReport node_param_reduce_scatter(Ctx& c, const ParamReduceScatter& args);
-
-// Shared by both TIDE-RS executors (param_reduce_scatter.cpp).
-// Zeroes the padding of `rank`'s output shards (what FSDP2's reduce of zero-padded inputs gives).
-void zero_shard_padding(const ParamReduceScatter& args, int rank);
-// Where each pipeline slot lives, by transport slot index: at reuse_offset bytes into the
-// Slot-Reuse memory (vacated all-gather storage, the same place on every rank), or -1 for
-// the transport's own slot. Every rank computes the same homes.
-struct RsSlots {
-  std::vector<int64_t> reuse_offset;
-  std::byte* at(Transport& t, SymmetricBuffer* reuse, int rank, int idx) const {
-    const int64_t off = reuse_offset[static_cast<size_t>(idx)];
-    return off >= 0 ? reuse->peer(rank) + off : t.peer(rank, idx);
-  }
-};
-// Appends the copies of a gradient's slices (elements of elem_size bytes), back to back
-// from dst on.
-void stage_slices(std::vector<StridedCopy>& ops, std::byte* dst, const std::byte* grad,
-                  const std::vector<plan::Strided>& slices, size_t elem_size);
-// Fills report's reused_slots and fallback_bytes (slot_bytes and num_slots must be set).
-RsSlots place_rs_slots(const Ctx& c, const ParamReduceScatter& args, StagingReport& report);
-void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag);
+// TIDE-RS's node on this communicator (param_reduce_scatter.cpp runs over it).
+std::unique_ptr<RsNode> host_rs_node(Ctx& c);
 
 }  // namespace tide::algo

@@ -291,7 +291,9 @@ class HostComm final : public Comm {
             TIDE_CHECK(r.offset >= 0 && r.bytes >= 0 && static_cast<size_t>(r.offset + r.bytes) <= a.reuse->bytes(q),
                        "tide param_reduce_scatter: Slot-Reuse region [", r.offset, ", ", r.offset + r.bytes,
                        ") is outside rank ", q, "'s reuse buffer of ", a.reuse->bytes(q), " bytes");
-      report = a.nodes ? algo::node_param_reduce_scatter(ctx_, a) : algo::param_reduce_scatter(ctx_, a);
+      const std::unique_ptr<RsNode> node = algo::host_rs_node(ctx_);
+      report = a.nodes ? ::tide::param_reduce_scatter(a, {*a.nodes->topology, a.nodes->rank, a.nodes->engine}, *node)
+                       : ::tide::param_reduce_scatter(a, {{ws_, ws_, 1}, rank_, nullptr}, *node);
     });
     return report;
   }

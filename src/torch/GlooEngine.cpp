@@ -16,37 +16,26 @@ at::Tensor bytes(const void* data, size_t n) {
 
 void GlooEngine::start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
                        std::shared_ptr<const void> keep_alive) {
-  Exchange& exchange = in_flight_.emplace_back();
-  exchange.keep_alive = std::move(keep_alive);
-  std::vector<c10::intrusive_ptr<c10d::Work>>& works = exchange.works;
-  exchange.peers = tide::peer_list(sends, recvs);
-  for (const tide::EngineSend& s : sends) {
-    std::vector<at::Tensor> t{bytes(s.data, s.bytes)};
-    works.push_back(gloo_->send(t, s.peer, kTag));
-    bytes_sent_ += static_cast<int64_t>(s.bytes);
-  }
-  for (const tide::EngineRecv& r : recvs) {
-    std::vector<at::Tensor> t{bytes(r.data, r.bytes)};
-    works.push_back(gloo_->recv(t, r.peer, kTag));
-  }
+  exchanges_.start(name(), tide::peer_list(sends, recvs), [&](Exchange& exchange) {
+    exchange.keep_alive = std::move(keep_alive);
+    for (const tide::EngineSend& s : sends) {
+      std::vector<at::Tensor> t{bytes(s.data, s.bytes)};
+      exchange.works.push_back(gloo_->send(t, s.peer, kTag));
+      bytes_sent_ += static_cast<int64_t>(s.bytes);
+    }
+    for (const tide::EngineRecv& r : recvs) {
+      std::vector<at::Tensor> t{bytes(r.data, r.bytes)};
+      exchange.works.push_back(gloo_->recv(t, r.peer, kTag));
+    }
+  });
 }
 
 void GlooEngine::finish() {
-  TIDE_CHECK(!in_flight_.empty(), "tide inter-node exchange over gloo: finish() without start()");
-  Exchange exchange = std::move(in_flight_.front());
-  in_flight_.pop_front();
-  try {
+  exchanges_.finish(name(), [&](Exchange& exchange) {
     for (auto& w : exchange.works) w->wait(timeout_);
-  } catch (const std::exception& e) {
-    failed_.push_back(std::move(exchange));
-    throw tide::TimeoutError(detail::concat("inter-node exchange over gloo with ranks ", exchange.peers, " failed: ",
-                                            e.what()));
-  }
+  });
 }
 
-void GlooEngine::abandon() {
-  for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
-  in_flight_.clear();
-}
+void GlooEngine::abandon() { exchanges_.abandon(); }
 
 }  // namespace tide::torch_backend

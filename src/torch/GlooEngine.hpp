@@ -3,7 +3,6 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <deque>
 #include <vector>
 
 #include "tide/engine.hpp"
@@ -28,8 +27,7 @@ class GlooEngine final : public tide::Engine {
     std::string peers;  // for the error: "2, 6"
   };
   c10::intrusive_ptr<c10d::Backend> gloo_;
-  std::deque<Exchange> in_flight_;  // per start(), oldest first
-  std::vector<Exchange> failed_;    // kept: their receives may still land
+  tide::InFlight<Exchange> exchanges_;
   std::chrono::milliseconds timeout_;
   int64_t bytes_sent_ = 0;
 };

@@ -179,11 +179,11 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const OpContext&
 
 size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
 
-}  // namespace
-
 bool is_cuda(const std::vector<at::Tensor>& tensors) {
   return !tensors.empty() && tensors[0].defined() && tensors[0].is_cuda();
 }
+
+}  // namespace
 
 // ---- WorkTide ---------------------------------------------------------------------------
 WorkTide::WorkTide(c10d::OpType op, const char* profiling_title, std::vector<at::Tensor> outputs)

@@ -30,8 +30,9 @@ void OneSidedEngine::start(std::span<const EngineSend> sends, std::span<const En
                            std::shared_ptr<const void> keep_alive) {
   TIDE_CHECK(!broken_, "tide inter-node exchange over ", name_, ": rank ", rank_,
              ": an earlier exchange failed, so the peers' signals no longer pair up (the group is unusable)");
-  Exchange exchange;
+  Exchange& exchange = exchanges_.start();
   exchange.keep_alive = keep_alive;
+  exchange.peers = peer_list(sends, recvs);
   try {
     std::vector<EngineSend> other_sends;
     std::vector<EngineRecv> other_recvs;
@@ -80,14 +81,13 @@ void OneSidedEngine::start(std::span<const EngineSend> sends, std::span<const En
     }
   } catch (...) {
     broken_ = true;
-    failed_.push_back(std::move(exchange));
+    exchanges_.fail_newest();
     throw;
   }
-  in_flight_.push_back(std::move(exchange));
 }
 
 void OneSidedEngine::handshake(std::span<const int> to, std::span<const int> from) {
-  TIDE_CHECK(!broken_ && in_flight_.empty(), "tide inter-node exchange over ", name_, ": rank ", rank_,
+  TIDE_CHECK(!broken_ && exchanges_.empty(), "tide inter-node exchange over ", name_, ": rank ", rank_,
              ": a handshake needs an idle, healthy engine");
   try {
     std::vector<OneSidedWire::Wait> waits;
@@ -101,26 +101,21 @@ void OneSidedEngine::handshake(std::span<const int> to, std::span<const int> fro
 }
 
 void OneSidedEngine::finish() {
-  TIDE_CHECK(!in_flight_.empty(), "tide inter-node exchange over ", name_, ": rank ", rank_,
-             ": finish() without start()");
-  Exchange exchange = std::move(in_flight_.front());
-  in_flight_.pop_front();
   try {
-    std::vector<OneSidedWire::Wait> arrived;
-    for (const auto& [peer, target] : exchange.data) wait_until(arrived, peer, target);
-    if (!arrived.empty()) wire_.wait(arrived);
-    if (exchange.two_sided) two_sided_.finish();
+    exchanges_.finish(name_, [&](Exchange& exchange) {
+      std::vector<OneSidedWire::Wait> arrived;
+      for (const auto& [peer, target] : exchange.data) wait_until(arrived, peer, target);
+      if (!arrived.empty()) wire_.wait(arrived);
+      if (exchange.two_sided) two_sided_.finish();
+    });
   } catch (...) {
     broken_ = true;
-    failed_.push_back(std::move(exchange));
     throw;
   }
 }
 
 void OneSidedEngine::abandon() {
-  if (!in_flight_.empty()) broken_ = true;
-  for (Exchange& e : in_flight_) failed_.push_back(std::move(e));
-  in_flight_.clear();
+  if (exchanges_.abandon()) broken_ = true;
   two_sided_.abandon();
 }
 

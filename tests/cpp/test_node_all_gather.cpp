@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "test_plan_common.hpp"
+#include "test_stream.hpp"
 #include "tide/engine.hpp"
 #include "tide/error.hpp"
 #include "tide/one_sided.hpp"
@@ -28,6 +29,9 @@
 namespace tide {
 namespace {
 using plan::testing::expand;
+using test::MailEngine;
+using test::Stream;
+using test::StreamEngine;
 
 // The value of element i of owner's shard of param, es bytes, never the fill byte 0xEE.
 void element(int owner, int param, int64_t i, size_t es, std::byte* out) {
@@ -43,14 +47,14 @@ struct World {
   std::vector<std::vector<std::byte>> window;  // [rank]: all of the rank's storages
   std::mutex mu;
   std::condition_variable cv;
-  std::map<std::pair<int, int>, std::deque<std::vector<std::byte>>> mail;  // (from, to)
+  test::Mailboxes mail;  // the two-sided engine's
   std::map<std::pair<int, int>, uint64_t> signals;                          // (to, from): one-sided signals
   std::vector<uint64_t> progress;
   std::vector<std::unique_ptr<std::barrier<>>> node_barriers;
-  std::atomic<int64_t> engine_bytes{0}, local_bytes{0}, put_bytes{0};
+  std::atomic<int64_t> local_bytes{0}, put_bytes{0};
 
   World(const plan::GroupLayout& g, plan::Topology t, size_t elem)
-      : layout(g), topo(t), es(elem), window(t.world_size), progress(t.world_size, 0) {
+      : layout(g), topo(t), es(elem), window(t.world_size), mail(t), progress(t.world_size, 0) {
     for (int n = 0; n < t.num_nodes; ++n) node_barriers.push_back(std::make_unique<std::barrier<>>(t.local_size));
     size_t at = 0;
     for (const plan::ParamLayout& p : g.params) {
@@ -71,41 +75,6 @@ struct World {
         element(r, static_cast<int>(p), i++, es, storage(r, p) + static_cast<size_t>(e) * es);
     }
   }
-};
-
-class MailEngine : public Engine {
- public:
-  MailEngine(World& w, int rank) : w_(w), me_(rank) {}
-  const char* name() const override { return "test mailbox"; }
-  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
-             std::shared_ptr<const void>) override {
-    std::unique_lock lock(w_.mu);
-    for (const EngineSend& s : sends) {
-      TIDE_CHECK(w_.topo.node_of(s.peer) != w_.topo.node_of(me_), "engine message within a node");
-      const auto* p = static_cast<const std::byte*>(s.data);
-      w_.mail[{me_, s.peer}].emplace_back(p, p + s.bytes);
-      w_.engine_bytes += static_cast<int64_t>(s.bytes);
-    }
-    w_.cv.notify_all();
-    pending_.emplace_back(recvs.begin(), recvs.end());
-  }
-  void finish() override {
-    std::unique_lock lock(w_.mu);
-    const std::vector<EngineRecv> recvs = std::move(pending_.front());
-    pending_.pop_front();
-    for (const EngineRecv& r : recvs) {
-      auto& box = w_.mail[{r.peer, me_}];
-      w_.cv.wait(lock, [&] { return !box.empty(); });
-      TIDE_CHECK(box.front().size() == r.bytes, "message of ", box.front().size(), " bytes, receive of ", r.bytes);
-      std::memcpy(r.data, box.front().data(), r.bytes);
-      box.pop_front();
-    }
-  }
-
- private:
-  World& w_;
-  int me_;
-  std::deque<std::vector<EngineRecv>> pending_;  // per start(), oldest first
 };
 
 class ThreadPeers : public NodePeers {
@@ -181,66 +150,6 @@ class HostWire : public OneSidedWire {
   std::map<int, uint64_t> waited_;
 };
 
-// A rank's queue of work run by a thread of its own, in the order enqueued: what a CUDA
-// stream does with the executor's copies, progress words and engine exchanges. Nothing runs
-// before synchronize() (a stream that is slow to start), so the executor, which only
-// enqueues, fails the test if it reads on the host what an enqueued move has not produced
-// yet, or frees a buffer that queued work still uses.
-class Stream {
- public:
-  Stream() : thread_([this] { loop(); }) {}
-  ~Stream() {
-    {
-      std::lock_guard lock(mu_);
-      running_ = true;
-    }
-    enqueue({});
-    thread_.join();
-  }
-  void enqueue(std::function<void()> f) {
-    std::lock_guard lock(mu_);
-    queue_.push_back(std::move(f));
-    cv_.notify_all();
-  }
-  std::string synchronize() {  // runs the queue out; the first error of the work so far
-    std::unique_lock lock(mu_);
-    running_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
-    running_ = false;
-    return error_;
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::function<void()> f;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return running_ && !queue_.empty(); });
-        f = std::move(queue_.front());
-        queue_.pop_front();
-        if (!f) return;
-        busy_ = true;
-      }
-      try {
-        if (error_.empty()) f();
-      } catch (const std::exception& e) {
-        error_ = e.what();
-      }
-      std::lock_guard lock(mu_);
-      busy_ = false;
-      cv_.notify_all();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> queue_;
-  bool busy_ = false, running_ = false;
-  std::string error_;
-  std::thread thread_;
-};
-
 class StreamPeers : public NodePeers {
  public:
   StreamPeers(NodePeers& inner, Stream& s) : inner_(inner), s_(s) {}
@@ -263,31 +172,6 @@ class StreamPeers : public NodePeers {
  private:
   NodePeers& inner_;
   Stream& s_;
-};
-
-class StreamEngine : public Engine {
- public:
-  StreamEngine(Engine& inner, Stream& s) : inner_(inner), s_(s) {}
-  const char* name() const override { return "test mailbox on a stream"; }
-  void start(std::span<const EngineSend> sends, std::span<const EngineRecv> recvs,
-             std::shared_ptr<const void> keep_alive) override {
-    s_.enqueue([this, sends = std::vector<EngineSend>(sends.begin(), sends.end()),
-                recvs = std::vector<EngineRecv>(recvs.begin(), recvs.end()), keep_alive] {
-      inner_.start(sends, recvs);
-      held_.push_back(keep_alive);  // until the exchange finished, in queue order
-    });
-  }
-  void finish() override {
-    s_.enqueue([this] {
-      inner_.finish();
-      held_.pop_front();
-    });
-  }
-
- private:
-  Engine& inner_;
-  Stream& s_;
-  std::deque<std::shared_ptr<const void>> held_;  // touched by the queue's thread only
 };
 
 class StreamWire : public OneSidedWire {
@@ -325,7 +209,7 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
   for (int r = 0; r < topo.world_size; ++r)
     threads.emplace_back([&, r] {
       try {
-        MailEngine mail(w, r);
+        MailEngine mail(w.mail, r);
         ThreadPeers node(w, r);
         Stream stream;
         StreamEngine queued_mail(mail, stream);
@@ -384,7 +268,7 @@ void run(const plan::GroupLayout& g, plan::Topology topo, size_t es, int64_t pac
     }
   int64_t numel = 0;
   for (const plan::ParamLayout& p : g.params) numel += p.numel;
-  if (numel > 0 && topo.num_nodes > 1) EXPECT_GT(w.engine_bytes.load() + w.put_bytes.load(), 0);
+  if (numel > 0 && topo.num_nodes > 1) EXPECT_GT(w.mail.bytes + w.put_bytes.load(), 0);
   if (!one_sided) EXPECT_EQ(w.put_bytes.load(), 0);
   if (numel > 0 && topo.local_size > 1) EXPECT_GT(w.local_bytes.load(), 0);
 }
@@ -470,7 +354,7 @@ struct TwoNodes {
   World w{g, {2, 1, 2}, 4};
 };
 struct OneRank {
-  OneRank(World& w, int rank) : wire(w, rank), mail(w, rank), engine(wire, mail, rank, "test one-sided") {}
+  OneRank(World& w, int rank) : wire(w, rank), mail(w.mail, rank), engine(wire, mail, rank, "test one-sided") {}
   HostWire wire;
   MailEngine mail;
   OneSidedEngine engine;
@@ -542,6 +426,35 @@ TEST(OneSidedEngine, TheHandshakeCountsLikeAnExchange) {
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
   EXPECT_EQ(w.put_bytes.load(), 32);
+}
+
+}  // namespace
+}  // namespace tide
+
+namespace tide {
+namespace {
+
+// The engines' shared bookkeeping: a failed exchange is kept with its buffers, and its error
+// names the engine and the peers (it once moved the exchange away before formatting them).
+TEST(InFlight, AFailedExchangeIsKeptAndNamesItsPeers) {
+  struct Exchange {
+    std::shared_ptr<const void> keep_alive;
+    std::string peers;
+  };
+  InFlight<Exchange> exchanges;
+  auto buffers = std::make_shared<int>(0);
+  Exchange& e = exchanges.start();
+  e.keep_alive = buffers;
+  e.peers = "2, 6";
+  try {
+    exchanges.finish("test engine", [](Exchange&) { throw Error("peer gone"); });
+    FAIL() << "no error";
+  } catch (const TimeoutError& err) {
+    EXPECT_STREQ(err.what(), "inter-node exchange over test engine with ranks 2, 6 failed: peer gone");
+  }
+  EXPECT_EQ(buffers.use_count(), 2) << "a late delivery may still land: the buffers stay with the engine";
+  EXPECT_TRUE(exchanges.empty());
+  EXPECT_THROW(exchanges.finish("test engine", [](Exchange&) {}), Error);  // nothing in flight
 }
 
 }  // namespace

@@ -114,4 +114,61 @@ struct RsCase {
   }
 };
 
+// TIDE-RS's documented order, computed here: fp32 node partials over local ranks, then nodes
+// (rank order on one node), premul_sum per element, avg once at the end.
+inline float documented_sum(const std::vector<std::vector<uint8_t>>& grads_of_rank, DType gd, size_t i,
+                            const plan::Topology& topo, ReduceArgs op) {
+  const float f = op.op == ReduceOp::premul_sum ? static_cast<float>(op.premul_factor) : 1.0f;
+  float total = 0;
+  for (int j = 0; j < topo.num_nodes; ++j) {
+    float partial = 0;
+    for (int l = 0; l < topo.local_size; ++l) {
+      float v = static_cast<float>(value_at(gd, grads_of_rank[static_cast<size_t>(topo.rank_of(j, l))].data(), i));
+      if (op.op == ReduceOp::premul_sum) v = v * f;
+      partial = l == 0 ? v : partial + v;
+    }
+    total = j == 0 ? partial : total + partial;
+  }
+  if (op.op == ReduceOp::avg) total = total / static_cast<float>(topo.world_size);
+  return total;
+}
+
+// Rank me's output of TIDE-RS over rc (`out`, elements of od): bitwise the documented order
+// rounded once to od, within a float64 bound of the exact sum, and zero padding.
+inline void check_documented_order(const RsCase& rc, const uint8_t* out, DType od, ReduceArgs op,
+                                   const plan::Topology& topo, int me) {
+  const int ws = topo.world_size;
+  const size_t np = rc.params.size(), oes = dtype_size(od);
+  std::vector<std::vector<std::vector<uint8_t>>> all(np);  // [param][rank]
+  for (size_t p = 0; p < np; ++p)
+    for (int r = 0; r < ws; ++r) all[p].push_back(r == me ? rc.grads[p] : rc.grad_of(r, p));
+  const double f = op.op == ReduceOp::premul_sum ? op.premul_factor : 1.0;
+  for (size_t p = 0; p < np; ++p) {
+    auto idx = shard_indices(rc.params[p], ws, me);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const uint8_t* got = out + static_cast<size_t>(rc.out_offs[p] + static_cast<int64_t>(i)) * oes;
+      const float want = documented_sum(all[p], rc.gd, static_cast<size_t>(idx[i]), topo, op);
+      uint32_t want_bits = std::bit_cast<uint32_t>(want), got_bits = 0;
+      if (od == DType::bf16) want_bits = ref_bf16(want);
+      std::memcpy(&got_bits, got, oes);
+      TIDE_REQUIRE(got_bits == want_bits, dtype_name(rc.gd), "->", dtype_name(od), " ", reduce_op_name(op.op),
+                   " param ", p, " element ", i, ": got ", value_at(od, got, 0), " want ", want, " (",
+                   topo.num_nodes, " nodes x ", topo.local_size, ")");
+      double acc = 0, mag = 0;
+      for (int r = 0; r < ws; ++r) {
+        const double v = value_at(rc.gd, all[p][static_cast<size_t>(r)].data(), static_cast<size_t>(idx[i])) * f;
+        acc += v;
+        mag += std::fabs(v);
+      }
+      if (op.op == ReduceOp::avg) acc /= ws;
+      const double tol = (od == DType::bf16 ? 0x1p-8 * std::fabs(acc) : 0.0) + 0x1p-21 * mag;
+      TIDE_REQUIRE(std::fabs(value_at(od, got, 0) - acc) <= tol, "param ", p, " element ", i, ": ",
+                   value_at(od, got, 0), " is far from the exact ", acc);
+    }
+    for (int64_t i = static_cast<int64_t>(idx.size()); i < rc.layout.params[p].padded_shard_numel; ++i)
+      TIDE_REQUIRE(value_at(od, out, static_cast<size_t>(rc.out_offs[p] + i)) == 0.0, "param ", p,
+                   " padding element ", i, " is not zero");
+  }
+}
+
 }  // namespace tide::test

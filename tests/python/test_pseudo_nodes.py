@@ -295,3 +295,35 @@ def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
         want = M.tide_reducescatter_traffic(local, ws // local, got["numel"], 2, 4)["net_bytes"]
         assert got["sent"] == want, (r, got["sent"], want)
         assert got["max_err"] < 1e-4, got["max_err"]
+
+
+def _dead_peer_across_nodes_worker(rank, ws, collective):
+    """Rank 1 (the other node) exits once the model is sharded; rank 0 runs a step."""
+    import torch.distributed as dist  # noqa: F401
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for layer in model:
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    if collective == "reduce-scatter":
+        model(torch.randn(4, 64)).sum()  # the all-gathers done while the peer lives
+    if rank == 1:
+        os._exit(0)
+    try:
+        model(torch.randn(4, 64)).sum().backward()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("collective", ["all-gather", "reduce-scatter"])
+def test_a_dead_peer_across_nodes_is_named(monkeypatch, collective):
+    """A peer on another node dies: the survivor's inter-node exchange fails with torch's
+    DistBackendError naming the engine and the peer (the engines once moved the failed
+    exchange away before formatting its peers: "with ranks  failed")."""
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "1")
+    kind, msg = run_ranks(_dead_peer_across_nodes_worker, 2, collective, expect_exit={1}, pg_timeout_s=20)[0]
+    assert kind == "DistBackendError", (kind, msg)
+    assert "inter-node exchange over gloo with ranks 1 failed" in msg, msg

@@ -213,24 +213,18 @@ struct NodeAllGatherArgs {
 void param_all_gather_across_nodes(CudaGroup& group, const ParamAllGather& args, const NodeAllGatherArgs& nodes,
                                    Engine& engine, cudaStream_t stream);
 
-// TIDE-RS: grads (device memory, private to each rank: no symmetric allocation needed)
-// bf16/f16/f32 -> fp32 shards, ReduceOp sum / avg / premul_sum. Per pipeline chunk:
-//   phase 1 (copy stream, copy engines): this rank copies its gradient slices for every
-//     destination rank into piece d of its own symmetric staging slot (its own slice is
-//     read in place when contiguous), then posts rs_ready;
-//   phase 2 (compute stream): after every rank's rs_ready, launch_accumulate_f32 (few CTAs,
-//     TIDE_RS_CTAS) reads piece `rank` of every rank's slot over IPC, in rank order 0..n-1,
-//     straight into the fp32 shard, then posts rs_done, which frees the slot for the chunk
-//     num_slots later. Other dtype/op combinations throw tide::Error.
+// TIDE-RS on CUDA (src/transport/cuda/rs_node.cpp: the executor of
+// src/collectives/param_reduce_scatter.cpp over this group as its node): grads (device
+// memory, private to each rank: no symmetric allocation) bf16/f16/f32 -> fp32 shards,
+// ReduceOp sum / avg / premul_sum; phase 1 on the copy stream (copy engines into this rank's
+// symmetric staging slot), phase 2 on the compute stream (launch_accumulate_f32, sources in
+// rank order, few CTAs: TIDE_RS_CTAS). Other dtype / op combinations throw tide::Error.
 StagingReport param_reduce_scatter(CudaGroup& group, const ParamReduceScatter& args,
                                    cudaStream_t stream = nullptr);
-
-// TIDE-RS of a group over several nodes, `group` being this rank's node (`rank` in the whole
-// group, args.layout the whole group's): the node's ranks sum each piece, in local rank
-// order, into fp32 node partials on the rank of the destination's rail; the partials go
-// along the rail over `engine`, which must be ordered on group.compute_stream(); each rank
-// adds its shard's partials in node order (src/transport/cuda/node_reduce_scatter.cpp).
-// Same dtypes and ops as param_reduce_scatter; Slot-Reuse memory is the node's.
+// The same over several nodes, `group` being this rank's node (`rank` in the whole group,
+// args.layout the whole group's): fp32 node partials in local rank order on the rank of the
+// destination's rail, carried along the rail by `engine` (ordered on group.compute_stream()),
+// added in node order. Slot-Reuse memory is the node's.
 StagingReport param_reduce_scatter_across_nodes(CudaGroup& group, const ParamReduceScatter& args,
                                                 const plan::Topology& topology, int rank, Engine& engine,
                                                 cudaStream_t stream = nullptr);

@@ -196,7 +196,7 @@ void CudaPath::choose_one_sided(int device) {
   if (refusing < 0) {
     wire_ = std::make_unique<NcclOneSided>(nodes_->nccl, device, rank_);
     puts_ = std::make_unique<tide::OneSidedEngine>(*wire_, *engine_, rank_, "nccl one-sided");
-    one_sided_handshake(device);
+    one_sided_handshake();
   } else {
     one_sided_why_ = refusing == rank_ ? why
                                        : tide::detail::concat("rank ", refusing, " cannot (TIDE_DEBUG there says why)");
@@ -206,7 +206,7 @@ void CudaPath::choose_one_sided(int device) {
   tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": inter-node TIDE-AG over ", engine_description()));
 }
 
-void CudaPath::one_sided_handshake(int device) {
+void CudaPath::one_sided_handshake() {
   // A ring along this rank's rail: NCCL's first one-sided call on a communicator sets up its
   // copy-engine path collectively (every rank's first call waits for the others'), so it
   // happens here, at group creation, rather than inside some rank's first all-gather; and a

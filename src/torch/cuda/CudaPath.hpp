@@ -120,7 +120,7 @@ class CudaPath {
   void watchdog_loop();
   // At the node group's creation: one-sided puts where every rank can make them.
   void choose_one_sided(int device);
-  void one_sided_handshake(int device);
+  void one_sided_handshake();
   // The engine of a TIDE-AG over `home`: one-sided once every rank has it as a window.
   tide::Engine& all_gather_engine(const std::shared_ptr<tide::SymmetricBuffer>& home);
 

@@ -8,7 +8,6 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <deque>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -37,8 +36,7 @@ class NcclEngine final : public tide::Engine {
   c10::intrusive_ptr<c10d::Backend> nccl_;
   int device_;
   cudaStream_t stream_ = nullptr;
-  std::deque<Exchange> in_flight_;
-  std::vector<Exchange> failed_;  // kept: NCCL may still write into their buffers
+  tide::InFlight<Exchange> exchanges_;
   int64_t bytes_sent_ = 0;
 };
 
