@@ -23,7 +23,6 @@
 namespace tide {
 
 class Engine;  // include/tide/engine.hpp
-struct AcrossNodes;
 
 struct CommOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
@@ -109,16 +108,17 @@ struct ParamReduceScatter {
   SymmetricBuffer* reuse = nullptr;
   std::span<const plan::Region> reuse_regions;
   // Across nodes (null: one host): the communicator is one node of the group `nodes`
-  // describes, and the layout is the whole group's (src/collectives/node_reduce_scatter.cpp).
-  const AcrossNodes* nodes = nullptr;
+  // describes, and the layout is the whole group's.
+  const struct TwoLevel* nodes = nullptr;
 };
 
-// A group over several nodes as TIDE-RS sees it from one node's communicator: the node's
-// ranks are topology's ranks of that node, in order.
-struct AcrossNodes {
-  const plan::Topology* topology = nullptr;
-  int rank = 0;              // this rank in the whole group
-  Engine* engine = nullptr;  // moves the node partials between nodes
+// A group of nodes as the two-level collectives see it from one rank: the nodes (the ranks of
+// a node are consecutive, in order), this rank in the whole group, and the engine between
+// the nodes (none on one node).
+struct TwoLevel {
+  plan::Topology topology;
+  int rank = 0;
+  Engine* engine = nullptr;
 };
 
 // What the last param_reduce_scatter did with its staging (for tests and TIDE_DEBUG).

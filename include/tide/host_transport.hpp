@@ -19,10 +19,12 @@
 #pragma once
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "tide/comm.hpp"
+#include "tide/plan.hpp"
 #include "tide/store.hpp"
 #include "tide/transport.hpp"
 
@@ -49,6 +51,19 @@ struct NodeKeys {
 };
 NodeKeys exchange_node_keys(Store& store, const std::string& ns, int rank, int world_size,
                             std::chrono::milliseconds timeout, int job_rank = -1);
+
+// A group's nodes (collective, through the store; job_rank as above): how many, their
+// topology where they are equal blocks of consecutive ranks (else why not), every rank's
+// pid, and the host communicator of this rank's node (of the whole group on one node; none
+// when the topology does not fit).
+struct GroupNodes {
+  int num_nodes = 1;
+  std::optional<plan::Topology> topology;  // several nodes that fit
+  std::string topology_error;
+  std::unique_ptr<Comm> node_comm;
+};
+GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int world_size, CommOptions options,
+                          int job_rank = -1);
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
                                                int world_size, const CommOptions& options);

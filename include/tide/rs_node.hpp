@@ -60,14 +60,6 @@ class RsNode {
   virtual std::shared_ptr<std::byte> scratch(size_t bytes) = 0;
 };
 
-// Where this rank stands in the group TIDE-RS reduces over: `topology` (one node: the
-// node's ranks), `rank` in the whole group, and the engine between nodes (null on one node).
-struct RsGroup {
-  plan::Topology topology;
-  int rank = 0;
-  Engine* engine = nullptr;
-};
-
 // TIDE-RS (arguments checked and agreed by the caller): a two-phase pipeline over windows
 // of the flat padded-shard space. Per window, every rank of a node copies its gradient
 // slices for every destination into its slot (grad dtype); the rank of the destination's
@@ -75,8 +67,8 @@ struct RsGroup {
 // an fp32 node partial); across nodes the partials travel along the rails over the engine
 // while the next window's node phase runs, and each rank adds its shard's partials in node
 // order. Sum order: local ranks, then nodes (rank order on one node, and with one rank per
-// node). Staging: the node's slots, or Slot-Reuse memory (args.reuse, indexed by local
+// node); `group` on one node: one node of the node's ranks, no engine. Staging: the node's slots, or Slot-Reuse memory (args.reuse, indexed by local
 // rank), plus across nodes 2 windows x 2N partials of at most one piece each.
-StagingReport param_reduce_scatter(const ParamReduceScatter& args, const RsGroup& group, RsNode& node);
+StagingReport param_reduce_scatter(const ParamReduceScatter& args, const TwoLevel& group, RsNode& node);
 
 }  // namespace tide

@@ -284,7 +284,7 @@ class HostComm final : public Comm {
       check_ptr(name, a.out, d.count, "out");
       if (a.nodes) check_nodes(name, *a.nodes);
     }, [&] {
-      check_layout_agreed(name, a.layout, a.nodes ? a.nodes->topology->world_size : ws_);
+      check_layout_agreed(name, a.layout, a.nodes ? a.nodes->topology.world_size : ws_);
       if (a.reuse)
         for (const plan::Region& r : a.reuse_regions)
           for (int q = 0; q < ws_; ++q)
@@ -292,7 +292,7 @@ class HostComm final : public Comm {
                        "tide param_reduce_scatter: Slot-Reuse region [", r.offset, ", ", r.offset + r.bytes,
                        ") is outside rank ", q, "'s reuse buffer of ", a.reuse->bytes(q), " bytes");
       const std::unique_ptr<RsNode> node = algo::host_rs_node(ctx_);
-      report = a.nodes ? ::tide::param_reduce_scatter(a, {*a.nodes->topology, a.nodes->rank, a.nodes->engine}, *node)
+      report = a.nodes ? ::tide::param_reduce_scatter(a, *a.nodes, *node)
                        : ::tide::param_reduce_scatter(a, {{ws_, ws_, 1}, rank_, nullptr}, *node);
     });
     return report;
@@ -425,9 +425,9 @@ class HostComm final : public Comm {
                  group_ws);
   }
   // Across nodes: this communicator is the node of nodes.rank in nodes.topology.
-  void check_nodes(const char* name, const AcrossNodes& n) const {
-    TIDE_CHECK(n.topology && n.engine, "tide ", name, ": rank ", rank_, ": across nodes without a topology or engine");
-    const plan::Topology& t = *n.topology;
+  void check_nodes(const char* name, const TwoLevel& n) const {
+    TIDE_CHECK(n.engine, "tide ", name, ": rank ", rank_, ": across nodes without an engine");
+    const plan::Topology& t = n.topology;
     TIDE_CHECK(t.local_size == ws_ && n.rank >= 0 && n.rank < t.world_size && t.local_rank(n.rank) == rank_,
                "tide ", name, ": rank ", n.rank, " (local rank ", rank_, " of ", ws_, ") does not fit a topology of ",
                t.num_nodes, " nodes x ", t.local_size, " ranks");

@@ -43,13 +43,13 @@ Slots place_slots(RsNode& node, const ParamReduceScatter& a, StagingReport& repo
     std::vector<plan::Region> regions(a.reuse_regions.begin(), a.reuse_regions.end());
     for (auto& r : regions) r.base_id = 0;  // all are ranges of `reuse`
     const int64_t align = report.slot_bytes % 4096 == 0 ? 4096 : static_cast<int64_t>(node.piece_align());
-    const plan::SlotReuse homes = plan::assign_staging_slots(std::move(regions),
+    const plan::SlotReuse placed = plan::assign_staging_slots(std::move(regions),
                                                              static_cast<int64_t>(report.slot_bytes),
                                                              report.num_slots, align);
     const uint64_t first = node.next_step();
     for (int i = 0; i < report.num_slots; ++i)
-      if (homes.slots[i].reused) {
-        slots.reuse_offset[(first + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots)] = homes.slots[i].offset;
+      if (placed.slots[i].reused) {
+        slots.reuse_offset[(first + static_cast<uint64_t>(i)) % static_cast<uint64_t>(n_slots)] = placed.slots[i].offset;
         ++report.reused_slots;
       }
   }
@@ -79,7 +79,7 @@ void stage_slices(std::vector<StridedCopy>& ops, std::byte* dst, const std::byte
 
 size_t round_up(size_t n, size_t align) { return (n + align - 1) / align * align; }
 
-StagingReport run(const ParamReduceScatter& a, const RsGroup& group, RsNode& node) {
+StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& node) {
   const plan::Topology& topo = group.topology;
   const int me = group.rank, lme = node.local_rank(), L = topo.local_size, N = topo.num_nodes, ws = topo.world_size;
   const int my_node = topo.node_of(me);
@@ -236,7 +236,7 @@ StagingReport run(const ParamReduceScatter& a, const RsGroup& group, RsNode& nod
 
 }  // namespace
 
-StagingReport param_reduce_scatter(const ParamReduceScatter& a, const RsGroup& group, RsNode& node) {
+StagingReport param_reduce_scatter(const ParamReduceScatter& a, const TwoLevel& group, RsNode& node) {
   if (group.topology.num_nodes == 1) return run(a, group, node);
   try {
     return run(a, group, node);

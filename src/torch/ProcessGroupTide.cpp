@@ -211,32 +211,18 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
   CommOptions options;
   options.timeout = timeout;
   try {
-    // One node: the host transport. Several (hosts, or pseudo-nodes): the standard ops on
-    // CPU tensors go to gloo across nodes (set_cpu_delegate), as CUDA ones go to NCCL.
-    const NodeKeys nodes = exchange_node_keys(tide_store, "pg" + group_name, rank, size, timeout, job_rank);
-    const std::vector<std::string>& keys = nodes.keys;
-    options.pids = nodes.pids;
-    for (size_t r = 0; r < keys.size(); ++r)
-      if (std::find(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(r), keys[r]) ==
-          keys.begin() + static_cast<std::ptrdiff_t>(r))
-        ++num_nodes_;
+    // One node: the host communicator runs everything on CPU tensors. Several (hosts, or
+    // pseudo-nodes): the standard ops on CPU tensors go to gloo (set_cpu_delegate), as CUDA
+    // ones go to NCCL, and the parameter collectives run over the node's communicator.
+    tide::GroupNodes nodes = tide::discover_nodes(tide_store, "pg" + group_name, rank, size, options, job_rank);
+    num_nodes_ = nodes.num_nodes;
+    topology_ = nodes.topology;
+    topology_error_ = nodes.topology_error;
     if (num_nodes_ == 1) {
-      comm_ = make_host_comm(tide_store, "pg" + group_name, rank, size, options);
+      comm_ = std::move(nodes.node_comm);
+      cpu_params_ = make_host_params(*comm_);
     } else {
-      try {
-        topology_ = tide::plan::topology_from_hosts(keys, 0);
-      } catch (const tide::Error& e) {
-        topology_error_ = e.what();
-      }
-      if (topology_) {  // the node's ranks get a host communicator of their own
-        const int node = topology_->node_of(rank);
-        CommOptions local = options;
-        local.pids.assign(nodes.pids.begin() + topology_->rank_of(node, 0),
-                          nodes.pids.begin() + topology_->rank_of(node, 0) + topology_->local_size);
-        node_comm_ = make_host_comm(tide_store, "pg" + group_name + "/node" + std::to_string(node),
-                                    topology_->local_rank(rank), topology_->local_size, local);
-        progress_ = node_comm_->allocate_symmetric(64);
-      }
+      cpu_params_ = make_host_params_across_nodes(std::move(nodes), rank, timeout, [this] { return cpu_; });
     }
   } catch (const tide::TimeoutError& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
@@ -245,9 +231,7 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
 }
 
 ProcessGroupTide::~ProcessGroupTide() {
-#ifdef TIDE_WITH_CUDA
-  cuda_path_.reset();  // its teardown is collective over the store, not the worker
-#endif
+  cuda_params_.reset();  // its teardown is collective over the store, not the worker
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -776,72 +760,51 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::T
               ": receiving from any source is not supported; name the source rank");
 }
 
-namespace {
-// A node communicator's symmetric memory seen with the group's ranks: peer(r) for r on
-// this node only.
-class NodeSymmetric final : public tide::SymmetricBuffer {
- public:
-  NodeSymmetric(std::shared_ptr<tide::SymmetricBuffer> inner, tide::plan::Topology topo, int rank)
-      : inner_(std::move(inner)), topo_(topo), me_(rank) {}
-  std::byte* local() override { return inner_->local(); }
-  std::byte* peer(int rank) override { return inner_->peer(local_rank(rank)); }
-  size_t bytes(int rank) const override { return inner_->bytes(local_rank(rank)); }
-  void release(size_t offset, size_t bytes) override { inner_->release(offset, bytes); }
-  int device() const override { return inner_->device(); }
-  const std::shared_ptr<tide::SymmetricBuffer>& inner() const { return inner_; }
+void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) { cpu_ = std::move(gloo); }
 
- private:
-  int local_rank(int rank) const {
-    TIDE_CHECK(topo_.node_of(rank) == topo_.node_of(me_), "tide symmetric memory: rank ", me_,
-               " asked for rank ", rank, "'s part, which is on another node");
-    return topo_.local_rank(rank);
+ParamCollectives& ProcessGroupTide::params(int device) {
+  if (device < 0) return *cpu_params_;
+  std::lock_guard<std::mutex> lock(cuda_params_mutex_);
+  if (!cuda_params_) {
+    CudaParamsArgs args;
+    args.store = std::make_shared<C10dStore>(store_);
+    args.ns = "pg" + group_name_ + "/cuda";
+    args.rank = getRank();
+    args.world_size = getSize();
+    args.timeout = timeout_;
+    // The CUDA path's argument checks all-gather a fingerprint through this group's own
+    // all-gather of CPU bytes: ordered with the CPU collectives issued before it (the host
+    // communicator's worker on one node, gloo across nodes).
+    args.exchange = [this](const std::vector<uint8_t>& mine) {
+      auto bytes = [](const void* p, size_t n) {
+        return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
+      };
+      std::vector<std::vector<uint8_t>> all(getSize(), std::vector<uint8_t>(mine.size()));
+      std::vector<at::Tensor> in{bytes(mine.data(), mine.size())};
+      std::vector<std::vector<at::Tensor>> out(1);
+      for (auto& v : all) out[0].push_back(bytes(v.data(), v.size()));
+      allgather(out, in, c10d::AllgatherOptions())->wait(timeout_);
+      return all;
+    };
+    args.num_nodes = num_nodes_;
+    args.topology = topology_;
+    args.topology_error = topology_error_;
+    args.nccl = [this] { return cuda_; };
+    cuda_params_ = make_cuda_params(std::move(args));
   }
-  std::shared_ptr<tide::SymmetricBuffer> inner_;
-  tide::plan::Topology topo_;
-  int me_;
-};
-}  // namespace
-
-void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) {
-  cpu_ = std::move(gloo);
-  engine_ = std::make_unique<GlooEngine>(cpu_, timeout_);
+  return *cuda_params_;
 }
 
-std::string ProcessGroupTide::why_not_across_nodes(int device) const {
-  if (!topology_) return "its nodes are not equal blocks of consecutive ranks (" + topology_error_ + ")";
-  if (device >= 0) {
-#ifdef TIDE_WITH_CUDA
-    if (!cuda_) return "no inter-node engine (NCCL) was set for CUDA tensors";
-#else
-    return "tide was built without CUDA";
-#endif
-  }
-  // gloo also carries the CUDA path's cross-rank argument checks across nodes.
-  if (!engine_) return "no inter-node engine (gloo) was set";
-  return "";
-}
+std::string ProcessGroupTide::why_not_across_nodes(int device) { return params(device).why_not(); }
 
-std::string ProcessGroupTide::inter_node_engine(int device) {
-  if (device < 0) return engine_ ? engine_->name() : "";
-#ifdef TIDE_WITH_CUDA
-  return cuda_path().engine_description();
-#else
-  return "";
-#endif
-}
+std::string ProcessGroupTide::inter_node_engine(int device) { return params(device).inter_node_engine(); }
 
 int64_t ProcessGroupTide::inter_node_bytes_sent() const {
-  int64_t bytes = engine_ ? engine_->bytes_sent() : 0;
-#ifdef TIDE_WITH_CUDA
-  if (cuda_path_) bytes += cuda_path_->inter_node_bytes_sent();
-#endif
-  return bytes;
+  std::lock_guard<std::mutex> lock(cuda_params_mutex_);
+  return cpu_params_->inter_node_bytes_sent() + (cuda_params_ ? cuda_params_->inter_node_bytes_sent() : 0);
 }
 
-void ProcessGroupTide::require_host_comm(const char* op) const {
-  TORCH_CHECK(comm_ || node_comm_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
-              " nodes and its nodes are not equal blocks of consecutive ranks (", topology_error_, ")");
-}
+std::string ProcessGroupTide::host_allgather_algorithm() const { return cpu_params_->all_gather_algorithm(); }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<at::Tensor>& tensors,
                                                              const char* op) const {
@@ -857,95 +820,22 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<a
   return cpu_;
 }
 
-#ifdef TIDE_WITH_CUDA
-CudaPath& ProcessGroupTide::cuda_path() {
-  if (!cuda_path_) {
-    std::optional<CudaPath::AcrossNodes> nodes;
-    if (!comm_) {
-      const std::string why = why_not_across_nodes(0);
-      TORCH_CHECK(why.empty(), "tide FSDP2 on CUDA: rank ", getRank(), ": this group spans ", num_nodes_,
-                  " nodes and ", why);
-      nodes = CudaPath::AcrossNodes{*topology_, cuda_};
-    }
-    // The argument checks all-gather a fingerprint through the host communicator, on the
-    // worker, so they stay ordered with CPU collectives issued before (across nodes: gloo,
-    // in the caller's order like every other op on it).
-    auto exchange = [this](const std::vector<uint8_t>& mine) {
-      std::vector<std::vector<uint8_t>> all(getSize(), std::vector<uint8_t>(mine.size()));
-      if (!comm_) {
-        auto bytes = [](const void* p, size_t n) {
-          return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
-        };
-        std::vector<at::Tensor> in{bytes(mine.data(), mine.size())};
-        std::vector<std::vector<at::Tensor>> out(1);
-        for (auto& v : all) out[0].push_back(bytes(v.data(), v.size()));
-        cpu_->allgather(out, in)->wait(timeout_);
-        return all;
-      }
-      auto work = enqueue(c10d::OpType::ALLGATHER, "tide:cuda_check", {}, [this, &mine, &all]() {
-        std::vector<void*> outs;
-        for (auto& v : all) outs.push_back(v.data());
-        comm_->all_gather(mine.data(), outs, mine.size(), DType::u8);
-      });
-      work->wait();
-      return all;
-    };
-    cuda_path_ = std::make_unique<CudaPath>(std::make_shared<C10dStore>(store_), "pg" + group_name_ + "/cuda",
-                                            getRank(), getSize(), timeout_, exchange, std::move(nodes));
-  }
-  return *cuda_path_;
-}
-#endif
-
 std::pair<std::string, std::string> ProcessGroupTide::cuda_path_choice(int device) {
-#ifdef TIDE_WITH_CUDA
-  return cuda_path().path_choice(device);
-#else
-  (void)device;
-  return {"nccl", "tide was built without CUDA"};
-#endif
+  return params(device).path_choice(device);
 }
 
 std::pair<size_t, int> ProcessGroupTide::cuda_staging_geometry(int device) {
-#ifdef TIDE_WITH_CUDA
-  return cuda_path().staging_geometry(device);
-#else
-  TORCH_CHECK(false, "tide cuda_staging_geometry: rank ", getRank(), ": tide was built without CUDA (cuda:", device, ")");
-#endif
+  return params(device).staging_geometry(device);
 }
 
 std::shared_ptr<tide::SymmetricBuffer> ProcessGroupTide::allocate_symmetric(size_t bytes, int device) {
-  if (!comm_ && node_comm_ && device >= 0) {  // across nodes on CUDA: the node's GPUs
-#ifdef TIDE_WITH_CUDA
-    auto buffer = std::make_shared<NodeSymmetric>(cuda_path().allocate_symmetric(bytes, device), *topology_, getRank());
-    node_buffers_.push_back(buffer);
-    return buffer;
-#else
-    TORCH_CHECK(false, "tide allocate_symmetric: rank ", getRank(), ": cuda:", device,
-                " requested, but tide was built without CUDA");
-#endif
-  }
-  if (!comm_ && node_comm_ && device < 0) {  // across nodes: symmetric within the node
-    auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
-    auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {}, [this, bytes, result]() {
-      *result = std::make_shared<NodeSymmetric>(node_comm_->allocate_symmetric(bytes), *topology_, getRank());
-    });
-    work->wait();
-    node_buffers_.push_back(*result);
-    return *result;
-  }
-  require_host_comm("allocate_symmetric");
-  if (device >= 0) {
-#ifdef TIDE_WITH_CUDA
-    return cuda_path().allocate_symmetric(bytes, device);
-#else
-    TORCH_CHECK(false, "tide allocate_symmetric: rank ", getRank(), ": cuda:", device,
-                " requested, but tide was built without CUDA");
-#endif
-  }
+  ParamCollectives& p = params(device);
+  const std::string why = p.why_not();
+  TORCH_CHECK(why.empty(), "tide allocate_symmetric: rank ", getRank(), ": ", why);
+  if (!p.on_worker()) return p.allocate_symmetric(bytes, device);
   auto result = std::make_shared<std::shared_ptr<tide::SymmetricBuffer>>();
   auto work = enqueue(c10d::OpType::UNKNOWN, "tide:allocate_symmetric", {},
-                      [this, bytes, result]() { *result = comm_->allocate_symmetric(bytes); });
+                      [&p, bytes, device, result]() { *result = p.allocate_symmetric(bytes, device); });
   work->wait();
   return *result;
 }
@@ -955,10 +845,9 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     std::vector<size_t> shard_offsets, at::ScalarType shard_dtype, std::vector<at::Tensor> storages) {
   TORCH_CHECK(shards, "tide param_all_gather: rank ", getRank(), ": no shard memory");
   const int device = shards->device();
-  if (!comm_) {
-    const std::string why = why_not_across_nodes(device);
-    TORCH_CHECK(why.empty(), "tide param_all_gather: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
-  }
+  ParamCollectives& p = params(device);
+  const std::string why = p.why_not();
+  TORCH_CHECK(why.empty(), "tide param_all_gather: rank ", getRank(), ": ", why);
   OpContext ctx{"param_all_gather", getRank()};
   const size_t n = layout.params.size();
   TORCH_CHECK(shard_offsets.size() == n && storages.size() == n, "tide param_all_gather: rank ",
@@ -967,22 +856,16 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
   TORCH_CHECK(layout.world_size == getSize(), "tide param_all_gather: rank ", getRank(),
               ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
   auto storage_dtype = storages.empty() ? DType::f32 : to_dtype(storages[0].scalar_type(), ctx);
-  for (size_t p = 0; p < n; ++p) {
-    check_param_tensor(storages[p], device, ctx, "storage");
-    TORCH_CHECK(storages[p].is_contiguous() && storages[p].numel() == layout.params[p].storage_numel &&
-                    to_dtype(storages[p].scalar_type(), ctx) == storage_dtype,
-                "tide param_all_gather: rank ", getRank(), ": storage of parameter ", p, " has ",
-                storages[p].numel(), " elements of ", storages[p].scalar_type(), ", expected ",
-                layout.params[p].storage_numel, " contiguous elements of one dtype");
+  for (size_t q = 0; q < n; ++q) {
+    check_param_tensor(storages[q], device, ctx, "storage");
+    TORCH_CHECK(storages[q].is_contiguous() && storages[q].numel() == layout.params[q].storage_numel &&
+                    to_dtype(storages[q].scalar_type(), ctx) == storage_dtype,
+                "tide param_all_gather: rank ", getRank(), ": storage of parameter ", q, " has ",
+                storages[q].numel(), " elements of ", storages[q].scalar_type(), ", expected ",
+                layout.params[q].storage_numel, " contiguous elements of one dtype");
   }
   auto src_dtype = to_dtype(shard_dtype, ctx);
-  // Across nodes, node peers read each other's storages: in node-symmetric memory.
-  std::shared_ptr<tide::SymmetricBuffer> home;
-  std::vector<size_t> storage_offsets;
-  if (!comm_) std::tie(home, storage_offsets) = node_storage_home(storages);
-  // The call itself: on the worker thread (host), or right here (CUDA: stream-ordered).
-  auto call = [this, layout, shards, shard_offsets, src_dtype, storages, storage_dtype, device, home,
-               storage_offsets]() -> c10::intrusive_ptr<c10d::Work> {
+  auto call = [&p, layout, shards, shard_offsets, src_dtype, storages, storage_dtype]() {
     std::vector<void*> ptrs;
     for (auto& t : storages) ptrs.push_back(t.data_ptr());
     tide::ParamAllGather args;
@@ -992,43 +875,12 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_all_gather(
     args.shard_dtype = src_dtype;
     args.storages = ptrs;
     args.storage_dtype = storage_dtype;
-#ifdef TIDE_WITH_CUDA
-    if (device >= 0 && !comm_)
-      return cuda_path().param_all_gather_across_nodes(args, home, storage_offsets, storages, device);
-    if (device >= 0) return cuda_path().param_all_gather(args, storages, device);
-#endif
-    if (comm_) {
-      comm_->param_all_gather(args);
-    } else {
-      auto peers = tide::make_node_peers(*node_comm_, *topology_, getRank(), *progress_, *home, storage_offsets,
-                                         timeout_);
-      tide::param_all_gather_across_nodes(args, *topology_, getRank(), 0, *engine_, *peers, progress_value_,
-                                          node_schedules_);
-    }
-    return {};
+    return p.all_gather(args, storages);
   };
-  return [this, call, device, storages]() -> c10::intrusive_ptr<c10d::Work> {
-    if (device >= 0) return call();
+  return [this, call, on_worker = p.on_worker(), storages]() -> c10::intrusive_ptr<c10d::Work> {
+    if (!on_worker) return call();
     return enqueue(c10d::OpType::ALLGATHER, "tide:param_all_gather", storages, [call]() { call(); });
   };
-}
-
-std::pair<std::shared_ptr<tide::SymmetricBuffer>, std::vector<size_t>> ProcessGroupTide::node_storage_home(
-    const std::vector<at::Tensor>& storages) {
-  for (auto& weak : node_buffers_) {
-    auto buf = weak.lock();
-    if (!buf) continue;
-    const auto* base = buf->local();
-    std::vector<size_t> offsets;
-    for (const at::Tensor& t : storages) {
-      const auto* at = static_cast<const std::byte*>(t.data_ptr());
-      if (at < base || at + t.nbytes() > base + buf->bytes(getRank())) break;
-      offsets.push_back(static_cast<size_t>(at - base));
-    }
-    if (offsets.size() == storages.size()) return {static_cast<NodeSymmetric&>(*buf).inner(), offsets};
-  }
-  TORCH_CHECK(false, "tide param_all_gather: rank ", getRank(), ": across nodes, the unsharded storages must lie in "
-              "memory from this group's allocate_symmetric (node peers read them)");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
@@ -1053,17 +905,10 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
     std::shared_ptr<tide::SymmetricBuffer> reuse,
     std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
-  if (!comm_) {
-    const std::string why = why_not_across_nodes(out.defined() && out.is_cuda() ? out.device().index() : -1);
-    TORCH_CHECK(why.empty(), "tide param_reduce_scatter: rank ", getRank(), ": across ", num_nodes_, " nodes: ", why);
-    // Slot-Reuse memory across nodes is node-symmetric: the node's group indexes it by local rank.
-    if (reuse) {
-      auto* node_reuse = dynamic_cast<NodeSymmetric*>(reuse.get());
-      TORCH_CHECK(node_reuse, "tide param_reduce_scatter: rank ", getRank(),
-                  ": across nodes, Slot-Reuse memory must come from this group's allocate_symmetric");
-      reuse = node_reuse->inner();
-    }
-  }
+  const int device = out.defined() && out.is_cuda() ? out.device().index() : -1;
+  ParamCollectives& p = params(device);
+  const std::string why = p.why_not();
+  TORCH_CHECK(why.empty(), "tide param_reduce_scatter: rank ", getRank(), ": ", why);
   OpContext ctx{"param_reduce_scatter", getRank()};
   std::vector<tide::plan::Region> regions;
   for (auto [offset, bytes] : reuse_regions) regions.push_back({0, offset, bytes});
@@ -1075,43 +920,31 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
               out_offsets.size(), " output offsets");
   TORCH_CHECK(layout.world_size == getSize(), "tide param_reduce_scatter: rank ", getRank(),
               ": layout planned for ", layout.world_size, " ranks, group has ", getSize());
-  const int device = out.defined() && out.is_cuda() ? out.device().index() : -1;
-  if (device >= 0) {
-    check_cuda_tensor(out, device, ctx, "output");
-    TORCH_CHECK(!reuse || reuse->device() == device, "tide param_reduce_scatter: rank ", getRank(),
-                ": Slot-Reuse memory is not on the output's device");
-  } else {
-    check_tensor(out, ctx, "output");
-    TORCH_CHECK(!reuse || reuse->device() < 0, "tide param_reduce_scatter: rank ", getRank(),
-                ": CPU tensors with Slot-Reuse memory on cuda:", reuse ? reuse->device() : -1);
-  }
+  check_param_tensor(out, device, ctx, "output");
+  TORCH_CHECK(!reuse || reuse->device() == device, "tide param_reduce_scatter: rank ", getRank(),
+              ": Slot-Reuse memory on device ", reuse ? reuse->device() : -1, " but the output on device ", device,
+              " (-1: the host)");
   TORCH_CHECK(out.is_contiguous(), "tide param_reduce_scatter: rank ", getRank(),
               ": the output must be contiguous");
   auto grad_dtype = n ? to_dtype(grads[0].scalar_type(), ctx) : DType::f32;
-  for (size_t p = 0; p < n; ++p) {
-    check_param_tensor(grads[p], device, ctx, "gradient");
-    TORCH_CHECK(grads[p].is_contiguous() && grads[p].numel() == layout.params[p].numel &&
-                    to_dtype(grads[p].scalar_type(), ctx) == grad_dtype,
-                "tide param_reduce_scatter: rank ", getRank(), ": gradient of parameter ", p,
-                " has ", grads[p].numel(), " elements of ", grads[p].scalar_type(), ", expected ",
-                layout.params[p].numel, " contiguous elements of one dtype");
-    TORCH_CHECK(out_offsets[p] >= 0 &&
-                    out_offsets[p] + layout.params[p].padded_shard_numel <= out.numel(),
-                "tide param_reduce_scatter: rank ", getRank(), ": parameter ", p,
+  for (size_t q = 0; q < n; ++q) {
+    check_param_tensor(grads[q], device, ctx, "gradient");
+    TORCH_CHECK(grads[q].is_contiguous() && grads[q].numel() == layout.params[q].numel &&
+                    to_dtype(grads[q].scalar_type(), ctx) == grad_dtype,
+                "tide param_reduce_scatter: rank ", getRank(), ": gradient of parameter ", q,
+                " has ", grads[q].numel(), " elements of ", grads[q].scalar_type(), ", expected ",
+                layout.params[q].numel, " contiguous elements of one dtype");
+    TORCH_CHECK(out_offsets[q] >= 0 &&
+                    out_offsets[q] + layout.params[q].padded_shard_numel <= out.numel(),
+                "tide param_reduce_scatter: rank ", getRank(), ": parameter ", q,
                 "'s shard does not fit the output of ", out.numel(), " elements at offset ",
-                out_offsets[p]);
+                out_offsets[q]);
   }
   auto out_dtype = to_dtype(out.scalar_type(), ctx);
   auto red = to_reduce(op, ctx, grad_dtype, out_dtype);
-#ifndef TIDE_WITH_CUDA
-  TORCH_CHECK(device < 0, "tide param_reduce_scatter: rank ", getRank(),
-              ": CUDA tensors, but tide was built without CUDA");
-#endif
-  // As param_all_gather: on the worker (host) or right here (CUDA). On CUDA the group's copy
-  // stream reads the gradients after this returns: python/tide/fsdp.py records them on its
-  // stream so they outlive the reads.
-  auto call = [this, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse, regions,
-               device]() -> c10::intrusive_ptr<c10d::Work> {
+  // On CUDA the group's copy stream reads the gradients after this returns: tide.fsdp
+  // records them on its stream so they outlive the reads.
+  auto call = [this, &p, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse, regions]() {
     std::vector<const void*> ptrs;
     for (auto& g : grads) ptrs.push_back(g.data_ptr());
     tide::ParamReduceScatter args;
@@ -1124,20 +957,10 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     args.op = red;
     args.reuse = reuse.get();
     args.reuse_regions = regions;
-#ifdef TIDE_WITH_CUDA
-    if (device >= 0) return cuda_path().param_reduce_scatter(args, {out}, device, &last_staging_);
-#endif
-    if (comm_) {
-      last_staging_ = comm_->param_reduce_scatter(args);
-    } else {
-      const tide::AcrossNodes nodes{&*topology_, getRank(), engine_.get()};
-      args.nodes = &nodes;
-      last_staging_ = node_comm_->param_reduce_scatter(args);
-    }
-    return {};
+    return p.reduce_scatter(args, out, last_staging_);
   };
-  return [this, call, device, out]() -> c10::intrusive_ptr<c10d::Work> {
-    if (device >= 0) return call();
+  return [this, call, on_worker = p.on_worker(), out]() -> c10::intrusive_ptr<c10d::Work> {
+    if (!on_worker) return call();
     return enqueue(c10d::OpType::REDUCE_SCATTER, "tide:param_reduce_scatter", {out}, [call]() { call(); });
   };
 }

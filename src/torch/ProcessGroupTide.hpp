@@ -16,11 +16,8 @@
 
 #include <optional>
 
-#include "GlooEngine.hpp"
+#include "ParamCollectives.hpp"
 #include "tide/comm.hpp"
-#ifdef TIDE_WITH_CUDA
-#include "cuda/CudaPath.hpp"
-#endif
 
 namespace tide::torch_backend {
 
@@ -104,17 +101,17 @@ class ProcessGroupTide : public c10d::Backend {
   // transport: its standard ops on CPU tensors go to this gloo backend (python/tide/_backend.py).
   int num_nodes() const { return num_nodes_; }
   void set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo);
-  // Whether TIDE-AG runs across this group's nodes for tensors on `device` (-1: CPU): equal
-  // nodes of consecutive ranks and an engine (gloo on CPUs; on CUDA the NCCL delegate and a
-  // tide built with CUDA); "" when it does, else why not.
-  std::string why_not_across_nodes(int device = -1) const;
+  // Whether the parameter collectives run on this group for tensors on `device` (-1: CPU):
+  // across nodes, equal nodes of consecutive ranks and an engine (gloo on CPUs; on CUDA the
+  // NCCL delegate and a tide built with CUDA); "" when they do, else why not.
+  std::string why_not_across_nodes(int device = -1);
   // The engine between nodes for `device`, in words ("gloo", "nccl send-recv", ...).
   std::string inter_node_engine(int device = -1);
   int64_t inter_node_bytes_sent() const;
 
-  // ---- the FSDP2 zero-copy path (python/tide/fsdp.py) --------------------------------
-  // Each call runs on CUDA when its tensors are CUDA tensors (cuda/CudaPath.hpp: stream
-  // ordered on the current stream), on the host transport otherwise.
+  // ---- the FSDP2 zero-copy path (python/tide/fsdp/) ------------------------------------
+  // Each call runs on the ParamCollectives of its tensors' device (ParamCollectives.hpp):
+  // CUDA's stream-ordered on the current stream, the host's on the worker thread.
   // Collective, blocking: symmetric memory for the group's sharded parameters, host shared
   // memory (device -1) or CUDA device memory every rank maps (device >= 0).
   std::shared_ptr<tide::SymmetricBuffer> allocate_symmetric(size_t bytes, int device = -1);
@@ -149,7 +146,7 @@ class ProcessGroupTide : public c10d::Backend {
                                   std::vector<std::pair<int64_t, int64_t>> reuse_regions);
   void unstage();
   tide::StagingReport last_staging_report() const { return last_staging_; }
-  std::string host_allgather_algorithm() const { return comm_ ? comm_->param_all_gather_algorithm() : "none"; }
+  std::string host_allgather_algorithm() const;
   // The CUDA all-gather path of this node for `device` and why ("nccl": the GPUs cannot map
   // each other's memory, so FSDP2 keeps its stock path). Collective at the first CUDA call.
   std::pair<std::string, std::string> cuda_path_choice(int device);
@@ -159,9 +156,6 @@ class ProcessGroupTide : public c10d::Backend {
  private:
   using Launch = std::function<c10::intrusive_ptr<c10d::Work>()>;
   // The checked call of param_all_gather / param_reduce_scatter, not yet run.
-  // Across nodes: the node-symmetric memory the storages lie in, and their offsets there.
-  std::pair<std::shared_ptr<tide::SymmetricBuffer>, std::vector<size_t>> node_storage_home(
-      const std::vector<at::Tensor>& storages);
   Launch make_param_all_gather(const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
                                std::vector<size_t> shard_offsets, at::ScalarType shard_dtype,
                                std::vector<at::Tensor> storages);
@@ -174,6 +168,9 @@ class ProcessGroupTide : public c10d::Backend {
   std::mutex staged_mutex_;
   std::map<std::thread::id, std::pair<c10d::OpType, Launch>> staged_;
 
+  // The parameter collectives for tensors on `device` (-1: CPU; CUDA's made at the first call).
+  ParamCollectives& params(int device);
+
   // Queues `fn` on the worker thread; the Work completes when it returns or throws.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType op, const char* name,
                                          std::vector<at::Tensor> outputs,
@@ -182,34 +179,24 @@ class ProcessGroupTide : public c10d::Backend {
   // The backend that runs a standard op on `tensors` instead of the host transport: NCCL
   // for CUDA tensors, gloo on a group of several nodes; null: the host transport runs it.
   c10::intrusive_ptr<c10d::Backend> delegate(const std::vector<at::Tensor>& tensors, const char* op) const;
-  // Throws unless the group has a host communicator: one node's, or this rank's node's.
-  void require_host_comm(const char* op) const;
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);
 
-  // The host communicator: CPU tensors, and the CUDA path's cross-rank argument checks.
-  std::unique_ptr<tide::Comm> comm_;  // null when the group spans several nodes
+  // The host communicator of a one-node group: the standard ops on CPU tensors (null when
+  // the group spans several nodes: gloo runs them).
+  std::unique_ptr<tide::Comm> comm_;
   int num_nodes_ = 0;
-  // Across nodes: the node's own host communicator (symmetric memory, node barrier), the
-  // nodes, the gloo engine between them, the node peers' progress words.
-  std::unique_ptr<tide::Comm> node_comm_;
-  std::optional<tide::plan::Topology> topology_;
+  std::optional<tide::plan::Topology> topology_;  // several nodes that fit
   std::string topology_error_;
-  std::unique_ptr<GlooEngine> engine_;
-  std::shared_ptr<tide::SymmetricBuffer> progress_;
-  uint64_t progress_value_ = 0;
-  tide::NodeScheduleCache node_schedules_;  // TIDE-AG's plans across nodes
-  std::vector<std::weak_ptr<tide::SymmetricBuffer>> node_buffers_;  // allocate_symmetric's, on node_comm_
+  std::unique_ptr<ParamCollectives> cpu_params_;   // chosen at creation
+  mutable std::mutex cuda_params_mutex_;
+  std::unique_ptr<ParamCollectives> cuda_params_;  // made at the first CUDA call
   c10::intrusive_ptr<c10d::Backend> cuda_;
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_name_;
   std::chrono::milliseconds timeout_;
-#ifdef TIDE_WITH_CUDA
-  CudaPath& cuda_path();
-  std::unique_ptr<CudaPath> cuda_path_;  // created at the first CUDA FSDP2 call
-#endif
   tide::StagingReport last_staging_;
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -91,7 +91,7 @@ void node_rs_case(Rank& rk, Comm& node, Engine& engine, const plan::Topology& to
     a.reuse = vacated.get();
     a.reuse_regions = regions;
   }
-  const AcrossNodes nodes{&topo, me, &engine};
+  const TwoLevel nodes{topo, me, &engine};
   a.nodes = &nodes;
   const StagingReport rep = node.param_reduce_scatter(a);
   for (size_t b = 0; b < oes; ++b) TIDE_REQUIRE(out[static_cast<size_t>(total) * oes + b] == 0x5a, "wrote past the output");
@@ -160,7 +160,7 @@ TEST(NodeReduceScatter, RefusesATopologyThatDoesNotFitTheNode) {
     a.out_offsets = offs;
     auto store = make_file_store(rk.store_dir);
     StoreEngine engine(*store, rk.ns, wrong, rk.rank);
-    const AcrossNodes nodes{&wrong, rk.rank, &engine};
+    const TwoLevel nodes{wrong, rk.rank, &engine};
     a.nodes = &nodes;
     try {
       node->param_reduce_scatter(a);

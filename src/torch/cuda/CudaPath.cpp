@@ -106,7 +106,7 @@ std::string describe(const Fingerprint& f) {
 }  // namespace
 
 CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-                   std::chrono::milliseconds timeout, Exchange exchange, std::optional<AcrossNodes> nodes)
+                   std::chrono::milliseconds timeout, Exchange exchange, std::optional<Nodes> nodes)
     : store_(std::move(store)),
       ns_(std::move(ns)),
       rank_(rank),

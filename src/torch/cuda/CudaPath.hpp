@@ -59,12 +59,12 @@ class CudaPath {
   // A group over several nodes also passes its topology and its NCCL delegate: the CUDA
   // group is then this rank's node (its ranks map each other's memory) and the inter-node
   // rounds go over NCCL (NcclEngine).
-  struct AcrossNodes {
+  struct Nodes {
     tide::plan::Topology topology;
     c10::intrusive_ptr<c10d::Backend> nccl;
   };
   CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-           std::chrono::milliseconds timeout, Exchange exchange, std::optional<AcrossNodes> nodes = std::nullopt);
+           std::chrono::milliseconds timeout, Exchange exchange, std::optional<Nodes> nodes = std::nullopt);
   ~CudaPath();
   CudaPath(const CudaPath&) = delete;
   CudaPath& operator=(const CudaPath&) = delete;
@@ -129,7 +129,7 @@ class CudaPath {
   int rank_, ws_;
   std::chrono::milliseconds timeout_;
   Exchange exchange_;
-  std::optional<AcrossNodes> nodes_;
+  std::optional<Nodes> nodes_;
   std::unique_ptr<NcclEngine> engine_;          // across nodes, on the group's device: send / recv
   std::unique_ptr<NcclOneSided> wire_;          // and one-sided puts, where every rank's NCCL has them
   std::unique_ptr<tide::OneSidedEngine> puts_;  // TIDE-AG over wire_ (the rest over engine_)

@@ -92,7 +92,7 @@ class CudaRsNode final : public RsNode {
   cudaStream_t cs_, ks_;
 };
 
-StagingReport run(CudaGroup& g, const ParamReduceScatter& a, const RsGroup& group, cudaStream_t stream) {
+StagingReport run(CudaGroup& g, const ParamReduceScatter& a, const TwoLevel& group, cudaStream_t stream) {
   const int me = group.rank;
   TIDE_CHECK(a.layout, "tide: cuda: param_reduce_scatter on rank ", me, ": no layout");
   TIDE_CHECK(g.allgather_path().path != AllGatherPath::nccl, "tide: cuda: param_reduce_scatter on rank ", me,

@@ -1,6 +1,7 @@
 // Which node each rank of a group is on: the host identity, or a pseudo-node of it.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "../../core/env.hpp"
@@ -39,6 +40,34 @@ NodeKeys exchange_node_keys(Store& store, const std::string& ns, int rank, int w
     out.pids.push_back(std::stoi(r.substr(0, space)));
     out.keys.push_back(r.substr(space + 1));
   }
+  return out;
+}
+
+GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int world_size, CommOptions options,
+                          int job_rank) {
+  const NodeKeys nodes = exchange_node_keys(store, ns, rank, world_size, options.timeout, job_rank);
+  const std::vector<std::string>& keys = nodes.keys;
+  GroupNodes out;
+  out.num_nodes = 0;
+  for (size_t r = 0; r < keys.size(); ++r)
+    if (std::find(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(r), keys[r]) ==
+        keys.begin() + static_cast<std::ptrdiff_t>(r))
+      ++out.num_nodes;
+  if (out.num_nodes == 1) {
+    options.pids = nodes.pids;
+    out.node_comm = make_host_comm(store, ns, rank, world_size, options);
+    return out;
+  }
+  try {
+    out.topology = plan::topology_from_hosts(keys, 0);
+  } catch (const Error& e) {
+    out.topology_error = e.what();
+    return out;
+  }
+  const plan::Topology& t = *out.topology;  // the node's ranks get a host communicator of their own
+  const int node = t.node_of(rank), first = t.rank_of(node, 0);
+  options.pids.assign(nodes.pids.begin() + first, nodes.pids.begin() + first + t.local_size);
+  out.node_comm = make_host_comm(store, ns + "/node" + std::to_string(node), t.local_rank(rank), t.local_size, options);
   return out;
 }
 
