@@ -15,21 +15,50 @@ compute (the caching allocator avoids the same trap with record_stream).
 """
 from __future__ import annotations
 
+import torch
+
+from . import _C
+
 ALIGN = 256  # bytes: 16-byte vector loads, copy-engine friendly
+_UNIT = 2 << 20  # a backend-made pool's size is a multiple of this
 
 
 def _round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def _staging_bytes(geometry) -> int:
+    slot_bytes, num_slots = geometry
+    return slot_bytes * num_slots + 4096  # + room to align the slots
+
+
 class SymmetricPool:
     """First-fit over [0, capacity) with coalescing; see the module docstring."""
 
-    def __init__(self, memory, capacity: int):
+    def __init__(self, memory, capacity: int, backend=None, staging=(0, 0)):
         self.memory = memory  # tide._C.SymmetricMemory (or anything, for the tests)
         self.capacity = capacity
+        # The backend whose symmetric memory this is (it outlives the pool's id), and this
+        # rank's address of offset 0 (to recognise a storage that still points here).
+        self.backend = backend
+        self.rank = backend.rank() if backend is not None else 0
+        self.base = (memory.tensor(self.rank, 0, 1, torch.uint8).data_ptr()
+                     if backend is not None else 0)
+        # The block one reduce-scatter's staging takes: staging is (slot bytes, slots).
+        self.staging_bytes = _staging_bytes(staging)
         self._free = [[0, capacity, []]]  # [offset, size, events], sorted by offset
         self._quarantine = []  # [offset, size, events], oldest first
+
+    @classmethod
+    def on_backend(cls, backend, device_index: int, storage_bytes: int):
+        """A pool in `backend`'s symmetric memory on a CUDA device (collective: every rank
+        computes the same size), for unsharded storages and the reduce-scatter's staging:
+        TIDE_CUDA_POOL_BYTES, or twice `storage_bytes` plus one staging, in 2 MiB units."""
+        staging = backend.cuda_staging_geometry(device_index)
+        capacity = _C.env_bytes("TIDE_CUDA_POOL_BYTES", 0) or (
+            2 * storage_bytes + _staging_bytes(staging))
+        capacity = _round_up(capacity, _UNIT)
+        return cls(backend.allocate_symmetric(capacity, device_index), capacity, backend, staging)
 
     def alloc(self, nbytes: int):
         """(offset, events to wait for) of a block of at least nbytes, or None when full."""

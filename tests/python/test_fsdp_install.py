@@ -43,7 +43,7 @@ def test_import_installs_the_adapters_seams():
     adapter = tf._installed
     for target, replacement in adapter.SEAMS.items():
         assert _fingerprint.resolve(target) is replacement, target
-    assert PG.FSDPParam.free_unsharded_param is tf._core._free_unsharded_param
+    assert PG.FSDPParam.free_unsharded_param is tf._all_gather.free_unsharded_param
 
 
 def test_uninstall_restores_fsdp2_and_install_again():

@@ -2,8 +2,9 @@
 
 FSDP2's param group calls module-level functions around its collectives
 (``foreach_all_gather``, ``foreach_all_gather_copy_out``, ``foreach_reduce``), and from
-torch 2.15 also per-group hooks. ``import tide`` fits TIDE's zero-copy core (``_core.py``:
-TIDE-AG and TIDE-RS) into them through one small adapter per FSDP2 generation:
+torch 2.15 also per-group hooks. ``import tide`` fits TIDE's zero-copy core (TIDE-AG in
+``_all_gather.py``, TIDE-RS in ``_reduce_scatter.py``) into them through one small adapter
+per FSDP2 generation:
 
 =================  ===========  =======================================================
 adapter            torch        what it replaces
@@ -16,9 +17,10 @@ adapter            torch        what it replaces
 =================  ===========  =======================================================
 
 The adapter is chosen by what the running torch has, not by its version string: the
-fingerprints of every function an adapter replaces or relies on (``_fingerprint.py``) must
-be ones it was written against. A torch whose FSDP2 no adapter knows keeps its stock path
-over the tide backend, with one warning naming what changed. Every replacement takes
+fingerprints (``_fingerprint.py``) of every function an adapter replaces (its ``SEAMS``)
+or relies on (its ``READS`` and the core's, ``_seams.py``) must be ones it was written
+against. A torch whose FSDP2 no adapter knows keeps its stock path over the tide backend,
+with one warning naming what changed. Every replacement takes
 TIDE's path only on tide groups and hands anything else to FSDP2's own function.
 
 ``TIDE_FSDP=0`` switches the replacement off.
@@ -30,8 +32,9 @@ import warnings
 
 import torch
 
-from . import _core, _fingerprint, _gen_2_11, _gen_2_13, _gen_2_15
-from ._core import release_cuda_pools, stats, stats_by_group
+from . import _fingerprint, _gen_2_11, _gen_2_13, _gen_2_15, _paths, _seams
+from ._paths import stats, stats_by_group
+from ._storage import release_cuda_pools
 
 __all__ = ["install", "uninstall", "release_cuda_pools", "stats", "stats_by_group", "generation"]
 
@@ -45,8 +48,7 @@ def generation():
     return _installed.NAME if _installed is not None else None
 
 
-def _mismatches(adapter) -> list[str]:
-    return _fingerprint.mismatches({**_core.KNOWN, **adapter.KNOWN})
+_mismatches = _seams.mismatches  # (adapter) -> the targets it finds changed; doctor.py too
 
 
 def install() -> bool:
@@ -71,14 +73,13 @@ def install() -> bool:
             f"torch {closest} generation TIDE knows best); FSDP2 runs its stock path over the "
             "tide backend", stacklevel=2)
         return False
-    seams = {**adapter.SEAMS, "FSDPParam.free_unsharded_param": _core._free_unsharded_param}
-    for target, replacement in seams.items():
-        owner, name = _owner(target)
-        _core._originals[target] = getattr(owner, name)
+    for target, replacement in adapter.SEAMS.items():
+        owner, name = _fingerprint.owner(target)
+        _seams.originals[target] = getattr(owner, name)
         setattr(owner, name, replacement)
     _installed = adapter
-    _core._debug(f"FSDP2 of torch {torch.__version__}: the {adapter.NAME} adapter replaces "
-                 f"{sorted(seams)}")
+    _paths.debug(f"FSDP2 of torch {torch.__version__}: the {adapter.NAME} adapter replaces "
+                 f"{sorted(adapter.SEAMS)}")
     return True
 
 
@@ -86,19 +87,8 @@ def uninstall() -> None:
     """Gives FSDP2 back its own functions (param groups made meanwhile keep TIDE's output
     hook, which hands every result but TIDE-AG's to FSDP2's own copy-out)."""
     global _installed
-    for target, original in _core._originals.items():
-        owner, name = _owner(target)
+    for target, original in _seams.originals.items():
+        owner, name = _fingerprint.owner(target)
         setattr(owner, name, original)
-    _core._originals.clear()
+    _seams.originals.clear()
     _installed = None
-
-
-def _owner(target: str):
-    """(object, attribute) of a target: "foreach_reduce" or "FSDPParam.free_unsharded_param"."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
-
-    *path, name = target.split(".")
-    owner = PG
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, name

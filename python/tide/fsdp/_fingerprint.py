@@ -1,23 +1,28 @@
 """Fingerprints of FSDP2's functions, so that TIDE replaces only seams it knows.
 
 A seam can change under the same signature (torch 2.12 changed foreach_reduce's body,
-2.13 its return value), so an adapter names, for every function it replaces or relies on,
-the fingerprints of the versions it was written and tested against. A fingerprint is a
-hash of the function's tokens without comments, blank lines and line breaks inside
-brackets: an edit to a comment keeps it, any change to the code does not.
+2.13 its return value), so an adapter names, for every function it replaces or relies on
+(_seams.targets), the fingerprints of the versions it was written and tested against. A
+fingerprint is a hash of the function's (or class's) tokens without comments, blank lines
+and line breaks inside brackets: an edit to a comment keeps it, any change to the code
+does not. A target the torch does not have has the fingerprint ABSENT.
 
-Adding a torch release: run this file with that torch
-(``python python/tide/fsdp/_fingerprint.py``), read what changed in the functions whose
-fingerprints differ, and either add the new fingerprints to the adapter that still fits or
-write a new adapter (``_gen_<version>.py``).
+Adding a torch release: run this module with that torch
+(``scripts/env python -m tide.fsdp``: every adapter's targets, each with its fingerprint
+and the adapters that know it), read what changed in the functions whose
+fingerprints are new, and either add them to the adapter that still fits or write a new
+adapter (``_gen_<version>.py``).
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import io
 import textwrap
 import tokenize
+
+ABSENT = "absent"
 
 _SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING}
 # Python 3.12 tokenizes an f-string into FSTRING_START, its parts and FSTRING_END (PEP 701);
@@ -57,48 +62,50 @@ def _tokens(source: str) -> list[str]:
 
 
 def source_hash(fn) -> str:
+    if isinstance(fn, property):
+        fn = fn.fget
     source = textwrap.dedent(inspect.getsource(fn))
     return hashlib.sha256("\x1f".join(_tokens(source)).encode()).hexdigest()[:16]
 
 
+def owner(target: str):
+    """(object, attribute name) of a target: a name in FSDP2's param-group module, the
+    module that calls the seams ("foreach_reduce", "FSDPParam.free_unsharded_param",
+    "FSDPParamGroup.__init__"), or "<module>:<name>" in another module of FSDP2's package
+    ("_fsdp_collectives:_div_if_needed"). The object is None where this torch has no such
+    module or class."""
+    module, _, path = target.rpartition(":")
+    try:
+        obj = importlib.import_module(
+            f"torch.distributed.fsdp._fully_shard.{module or '_fsdp_param_group'}")
+    except ImportError:
+        obj = None
+    *parts, name = path.split(".")
+    for part in parts:
+        obj = getattr(obj, part, None)
+    return obj, name
+
+
 def resolve(target: str):
-    """A target is a name in FSDP2's param-group module, the module that calls the seams:
-    "foreach_reduce", "FSDPParam.free_unsharded_param", "FSDPParamGroup.__init__"."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
-
-    owner, *path = target.split(".")
-    obj = getattr(PG, owner, None)
-    for name in path:
-        obj = getattr(obj, name, None) if obj is not None else None
-    return obj
+    """The object a target names, or None where this torch lacks it."""
+    obj, name = owner(target)
+    return getattr(obj, name, None)
 
 
-def mismatches(known: dict) -> list[str]:
-    """The targets of `known` ({target: {fingerprint: versions}}) that this torch lacks or
-    has with another fingerprint."""
-    out = []
-    for target, prints in known.items():
-        fn = resolve(target)
-        try:
-            ok = fn is not None and source_hash(fn) in prints
-        except (OSError, TypeError):  # no source (a compiled or frozen torch)
-            ok = False
-        if not ok:
-            out.append(target)
-    return out
+def fingerprint(target: str) -> str | None:
+    """The target's fingerprint; ABSENT where this torch lacks it, None where its source
+    cannot be read (a compiled or frozen torch)."""
+    fn = resolve(target)
+    if fn is None:
+        return ABSENT
+    try:
+        return source_hash(fn)
+    except (OSError, TypeError):
+        return None
 
 
-if __name__ == "__main__":
-    import sys
+def mismatches(targets, known: dict) -> list[str]:
+    """The `targets` whose fingerprint in this torch is not among their `known` ones
+    ({target: {fingerprint: torch versions}}); a target `known` lacks is one of them."""
+    return [t for t in targets if fingerprint(t) not in known.get(t, {})]
 
-    import torch
-
-    targets = sys.argv[1:] or [
-        "foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce",
-        "_default_all_gather_output_fn", "_default_reduce_scatter_input_fn",
-        "FSDPParam.free_unsharded_param", "FSDPParam.init_all_gather_outputs",
-        "FSDPParam.alloc_all_gather_outputs"]
-    print(f"torch {torch.__version__}")
-    for target in targets:
-        fn = resolve(target)
-        print(f"  {target}: {source_hash(fn) if fn is not None else 'missing'}")

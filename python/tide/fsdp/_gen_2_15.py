@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _core
+from ._all_gather import finish_zero_copy, free_unsharded_param, is_zero_copy, make_foreach_all_gather
+from ._record import record
+from ._reduce_scatter import reduce_scatter
+from ._seams import originals
 
 NAME = "2.15"
-KNOWN = {
-    "foreach_all_gather_copy_out": {"91a85efb0db3703c": "2.15"},
-    "_default_all_gather_output_fn": {"a109c9b3b0b1483d": "2.15"},
-    "foreach_reduce": {"43688494339a2b36": "2.15"},
-    "_default_reduce_scatter_input_fn": {"64b51dd62b84a3ea": "2.15"},
-    "FSDPParam.free_unsharded_param": {"c0b7cb3778d544ef": "2.15"},
-}
 
 
 class _OutputFn:
@@ -32,28 +28,28 @@ class _OutputFn:
         self.inner = inner
 
     def __call__(self, fsdp_params, all_gather_result, world_size):
-        if not _core.is_zero_copy(all_gather_result):
+        if not is_zero_copy(all_gather_result):
             return self.inner(fsdp_params, all_gather_result, world_size)
-        _core.finish_zero_copy(all_gather_result)  # FSDP2 waited for its Work already
+        finish_zero_copy(all_gather_result)  # FSDP2 waited for its Work already
 
 
 def _param_group_init(self, *args, **kwargs):
-    _core._originals["FSDPParamGroup.__init__"](self, *args, **kwargs)
+    originals["FSDPParamGroup.__init__"](self, *args, **kwargs)
     if not isinstance(self._all_gather_output_fn, _OutputFn):
         self._all_gather_output_fn = _OutputFn(self._all_gather_output_fn)
     for fp in self.fsdp_params:
-        fp._tide_output_fn = self._all_gather_output_fn  # seen by the all-gather below
+        record(fp).output_fn = self._all_gather_output_fn  # seen by the all-gather below
 
 
 def _why_not_all_gather(fsdp_params):
     # TIDE-AG only where the group's copy-out will leave its result alone: a group made
     # before `import tide` keeps FSDP2's own output function.
-    if all(isinstance(getattr(fp, "_tide_output_fn", None), _OutputFn) for fp in fsdp_params):
+    if all(isinstance(record(fp).output_fn, _OutputFn) for fp in fsdp_params):
         return None
     return "the param group was created before `import tide`"
 
 
-foreach_all_gather = _core.make_foreach_all_gather(_why_not_all_gather)
+foreach_all_gather = make_foreach_all_gather(_why_not_all_gather)
 
 
 def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
@@ -82,14 +78,14 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
             reduce_output, fsdp_params, [torch.Size([n * ws]) for n in padded], ws,
             consumer_stream)
 
-    r = _core.reduce_scatter(
+    r = reduce_scatter(
         fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
         reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
         all_reduce_stream, partial_reduce_output, all_reduce_hook,
         force_sum_reduction_for_comms, view, run_post_accumulate_hooks=True, why_not=why_not,
         all_reduce_grads=all_reduce_grads)
     if r is None:
-        return _core._originals["foreach_reduce"](
+        return originals["foreach_reduce"](
             *args, prepare_reduce_scatter_inputs=prepare)
     return (torch.empty(0), r.reduce_scatter_event, r.post_reduce_stream, r.post_reduce_event,
             r.all_reduce_input, r.all_reduce_event, r.partial_reduce_output)
@@ -97,4 +93,23 @@ def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_sc
 
 SEAMS = {"foreach_all_gather": foreach_all_gather,
          "foreach_reduce": foreach_reduce,
-         "FSDPParamGroup.__init__": _param_group_init}
+         "FSDPParamGroup.__init__": _param_group_init,
+         "FSDPParam.free_unsharded_param": free_unsharded_param}
+# What this adapter relies on beyond what it replaces (_seams.py).
+READS = ("_default_all_gather_output_fn",  # the output function TIDE's wraps
+         "foreach_all_gather_copy_out",  # waits for the all-gather, then calls the output function
+         "_fsdp_collectives:_default_reduce_scatter_input_fn",
+         "_fsdp_collectives:record_grad_output_stream",
+         "_fsdp_collectives:_cast_and_view_sharded_grads")
+# {target: {fingerprint: torch versions}} of what this adapter replaces or relies on,
+# beyond _seams.KNOWN.
+KNOWN = {
+    "foreach_all_gather_copy_out": {"91a85efb0db3703c": "2.15"},
+    "_default_all_gather_output_fn": {"a109c9b3b0b1483d": "2.15"},
+    "foreach_reduce": {"43688494339a2b36": "2.15"},
+    "_fsdp_collectives:_default_reduce_scatter_input_fn": {"64b51dd62b84a3ea": "2.15"},
+    "FSDPParam.free_unsharded_param": {"c0b7cb3778d544ef": "2.15"},
+    "FSDPParamGroup.__init__": {"19e0a18d048bdc3b": "2.15"},
+    "_fsdp_collectives:record_grad_output_stream": {"c0e6c7a8c4f93563": "2.15"},
+    "_fsdp_collectives:_cast_and_view_sharded_grads": {"5365d8da055f2f09": "2.15"},
+}

@@ -1,0 +1,70 @@
+"""Homes in symmetric memory for FSDP2's unsharded storages (FSDPParam.all_gather_outputs),
+so that once FSDP2 has resharded them they can hold the reduce-scatter's staging
+(Slot-Reuse) and, across nodes, the node's peers can read them: on the host a page-aligned
+home per parameter, on CUDA a pool per process group and device (python/tide/_pool.py)."""
+from __future__ import annotations
+
+import atexit
+
+from .._pool import SymmetricPool
+from ._paths import debug, device_index
+
+_PAGE = 4096
+
+# One pool per (process group backend, device), held until release_cuda_pools() or exit:
+# whether a pool exists must not depend on when each rank's garbage collector ran, since
+# creating one is collective.
+_cuda_pools: dict = {}
+
+
+def release_cuda_pools() -> None:
+    """Frees the CUDA Slot-Reuse pools (every rank, at the same point: after the models
+    that use them are gone, before their process group is destroyed)."""
+    _cuda_pools.clear()
+
+
+atexit.register(release_cuda_pools)
+
+
+def cuda_pool(backend, device, storage_bytes: int):
+    """The symmetric pool for this backend and device, created (collectively) by the first
+    group that asks, sized by its `storage_bytes` of unsharded storages (SymmetricPool.
+    on_backend). Size it to the peak of concurrently unsharded groups
+    (TIDE_CUDA_POOL_BYTES); what does not fit takes FSDP2's allocator."""
+    key = (id(backend), device_index(device))
+    pool = _cuda_pools.get(key)
+    if pool is not None and pool.backend is backend:
+        return pool
+    pool = _cuda_pools[key] = SymmetricPool.on_backend(backend, device_index(device), storage_bytes)
+    debug(f"cuda: a {pool.capacity}-byte symmetric pool for unsharded storages and staging")
+    return pool
+
+
+def home_unsharded_storages(state, group, backend):
+    """Gives each parameter of `state` a page-aligned home for its unsharded storage in new
+    host symmetric memory; returns (that memory, each parameter's (offset, bytes) in it).
+    FSDP2 then allocates nothing (the storage already has its size) and frees it through
+    TIDE's free_unsharded_param, which returns the pages instead of resizing to 0."""
+    regions, total = [], 0
+    for nbytes in state.unsharded_bytes():
+        regions.append((total, nbytes))
+        total += (nbytes + _PAGE - 1) // _PAGE * _PAGE
+    storage = backend.allocate_symmetric(total)
+    for fp, lp, (off, nbytes) in zip(state.params(), state.layout.params, regions):
+        dtype = fp.param_dtype or fp.orig_dtype
+        fp.all_gather_outputs = [storage.tensor(group.rank(), off, lp.storage_numel, dtype)]
+        storage.release(off, nbytes)  # unsharded storage starts out freed, as in FSDP2
+    return storage, regions
+
+
+def vacated_storage(state):
+    """Slot-Reuse on the host: (memory, regions) of the group's unsharded storages once
+    FSDP2 has resharded them (it does so before reducing when reshard_after_backward is
+    on), else (None, [])."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    if state is None or state.storage is None:
+        return None, []
+    if any(fp is None or fp.sharded_state != ShardedState.SHARDED for fp in state.params()):
+        return None, []
+    return state.storage, list(state.storage_regions)
