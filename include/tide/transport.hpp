@@ -1,7 +1,7 @@
-// The one-sided transport the collectives are written against (NVSHMEM-like). A transport
-// gives every rank a symmetric staging area that peers can address, a copy engine and a
-// reduce engine that it drives (host: a thread pool; CUDA: copy engines / short-lived
-// CTAs), per-rank counters ("flags") that peers wait on, and a small control exchange.
+// The one-sided transport the host collectives are written against (NVSHMEM-like). A
+// transport gives every rank a symmetric staging area that peers can address, the copies
+// and reductions it runs (the host's: a thread pool), per-rank counters ("flags") that
+// peers wait on, and a small control exchange.
 // Algorithms (src/collectives/*.cpp) only see this interface.
 //
 // Flags are monotonic 32-bit counters compared modulo 2^32 ("at least"), so they are never

@@ -56,7 +56,7 @@ std::unique_ptr<ParamCollectives> make_host_params_across_nodes(
     tide::GroupNodes nodes, int rank, std::chrono::milliseconds timeout,
     std::function<c10::intrusive_ptr<c10d::Backend>()> gloo);
 
-// CUDA tensors. `exchange`: every rank's bytes, in rank order, given this rank's (a host
+// CUDA tensors. `all_gather_bytes`: every rank's bytes, in rank order, given this rank's (a host
 // all-gather through the group, for the cross-rank argument checks). Across nodes:
 // `topology` and the group's NCCL delegate once set (`nccl` reads it: the engine between
 // nodes).
@@ -65,7 +65,7 @@ struct CudaParamsArgs {
   std::string ns;
   int rank = 0, world_size = 1;
   std::chrono::milliseconds timeout{};
-  std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)> exchange;
+  std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)> all_gather_bytes;
   int num_nodes = 1;
   std::optional<tide::plan::Topology> topology;
   std::string topology_error;

@@ -401,7 +401,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& output_tensor,
                                                                  at::Tensor& input_tensor,
                                                                  const c10d::AllgatherOptions& opts) {
-  if (auto staged = run_staged(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return staged;
+  if (auto deferred = run_deferred(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({input_tensor}, "_allgather_base"))
     return d->_allgather_base(output_tensor, input_tensor, opts);
   OpContext ctx{"all_gather_into_tensor", getRank()};
@@ -608,7 +608,7 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
-  if (auto staged = run_staged(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return staged;
+  if (auto deferred = run_deferred(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({output_tensor}, "_reduce_scatter_base"))
     return d->_reduce_scatter_base(output_tensor, input_tensor, opts);
   auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
@@ -775,7 +775,7 @@ ParamCollectives& ProcessGroupTide::params(int device) {
     // The CUDA path's argument checks all-gather a fingerprint through this group's own
     // all-gather of CPU bytes: ordered with the CPU collectives issued before it (the host
     // communicator's worker on one node, gloo across nodes).
-    args.exchange = [this](const std::vector<uint8_t>& mine) {
+    args.all_gather_bytes = [this](const std::vector<uint8_t>& mine) {
       auto bytes = [](const void* p, size_t n) {
         return at::from_blob(const_cast<void*>(p), {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte));
       };
@@ -890,14 +890,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_all_gather(
                                std::move(storages))();
 }
 
-void ProcessGroupTide::stage_param_all_gather(const tide::plan::GroupLayout& layout,
+void ProcessGroupTide::defer_param_all_gather(const tide::plan::GroupLayout& layout,
                                               std::shared_ptr<tide::SymmetricBuffer> shards,
                                               std::vector<size_t> shard_offsets, at::ScalarType shard_dtype,
                                               std::vector<at::Tensor> storages) {
   Launch launch = make_param_all_gather(layout, std::move(shards), std::move(shard_offsets), shard_dtype,
                                         std::move(storages));
-  std::lock_guard<std::mutex> lock(staged_mutex_);
-  staged_[std::this_thread::get_id()] = {c10d::OpType::_ALLGATHER_BASE, std::move(launch)};
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_[std::this_thread::get_id()] = {c10d::OpType::_ALLGATHER_BASE, std::move(launch)};
 }
 
 ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
@@ -973,32 +973,32 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::param_reduce_scatter(
                                    std::move(reuse), std::move(reuse_regions))();
 }
 
-void ProcessGroupTide::stage_param_reduce_scatter(const tide::plan::GroupLayout& layout,
+void ProcessGroupTide::defer_param_reduce_scatter(const tide::plan::GroupLayout& layout,
                                                   std::vector<at::Tensor> grads, at::Tensor out,
                                                   std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
                                                   std::shared_ptr<tide::SymmetricBuffer> reuse,
                                                   std::vector<std::pair<int64_t, int64_t>> reuse_regions) {
   Launch launch = make_param_reduce_scatter(layout, std::move(grads), std::move(out), std::move(out_offsets), op,
                                             std::move(reuse), std::move(reuse_regions));
-  std::lock_guard<std::mutex> lock(staged_mutex_);
-  staged_[std::this_thread::get_id()] = {c10d::OpType::_REDUCE_SCATTER_BASE, std::move(launch)};
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_[std::this_thread::get_id()] = {c10d::OpType::_REDUCE_SCATTER_BASE, std::move(launch)};
 }
 
-void ProcessGroupTide::unstage() {
-  std::lock_guard<std::mutex> lock(staged_mutex_);
-  staged_.erase(std::this_thread::get_id());
+void ProcessGroupTide::drop_deferred() {
+  std::lock_guard<std::mutex> lock(deferred_mutex_);
+  deferred_.erase(std::this_thread::get_id());
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_staged(c10d::OpType op, const at::Tensor& output,
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_deferred(c10d::OpType op, const at::Tensor& output,
                                                             const at::Tensor& input) {
   if (output.numel() != 0 || input.numel() != 0) return {};
   Launch launch;
   {
-    std::lock_guard<std::mutex> lock(staged_mutex_);
-    auto it = staged_.find(std::this_thread::get_id());
-    if (it == staged_.end() || it->second.first != op) return {};
+    std::lock_guard<std::mutex> lock(deferred_mutex_);
+    auto it = deferred_.find(std::this_thread::get_id());
+    if (it == deferred_.end() || it->second.first != op) return {};
     launch = std::move(it->second.second);
-    staged_.erase(it);
+    deferred_.erase(it);
   }
   return launch();
 }

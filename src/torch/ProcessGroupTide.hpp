@@ -133,18 +133,18 @@ class ProcessGroupTide : public c10d::Backend {
                                                       std::vector<std::pair<int64_t, int64_t>> reuse_regions);
   // The same two calls as c10d collectives, so that CommDebugMode, the profiler and any
   // TorchDispatchMode see FSDP2's collectives under the names the built-in backends give
-  // them: stage_*() checks the arguments and keeps the call for this thread; this thread's
+  // them: defer_*() checks the arguments and keeps the call for this thread; this thread's
   // next _allgather_base / _reduce_scatter_base with zero-element tensors (what
   // dist.all_gather_into_tensor / reduce_scatter_tensor dispatch as c10d::_allgather_base_ /
-  // c10d::_reduce_scatter_base_) runs it and returns its Work. unstage() drops a kept call.
-  void stage_param_all_gather(const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
+  // c10d::_reduce_scatter_base_) runs it and returns its Work. drop_deferred() drops a kept call.
+  void defer_param_all_gather(const tide::plan::GroupLayout& layout, std::shared_ptr<tide::SymmetricBuffer> shards,
                               std::vector<size_t> shard_offsets, at::ScalarType shard_dtype,
                               std::vector<at::Tensor> storages);
-  void stage_param_reduce_scatter(const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads,
+  void defer_param_reduce_scatter(const tide::plan::GroupLayout& layout, std::vector<at::Tensor> grads,
                                   at::Tensor out, std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
                                   std::shared_ptr<tide::SymmetricBuffer> reuse,
                                   std::vector<std::pair<int64_t, int64_t>> reuse_regions);
-  void unstage();
+  void drop_deferred();
   tide::StagingReport last_staging_report() const { return last_staging_; }
   std::string host_allgather_algorithm() const;
   // The CUDA all-gather path of this node for `device` and why ("nccl": the GPUs cannot map
@@ -163,10 +163,10 @@ class ProcessGroupTide : public c10d::Backend {
                                    at::Tensor out, std::vector<int64_t> out_offsets, const c10d::ReduceOp& op,
                                    std::shared_ptr<tide::SymmetricBuffer> reuse,
                                    std::vector<std::pair<int64_t, int64_t>> reuse_regions);
-  // The call this thread staged for `op`, run, when the tensors are the zero-element tokens.
-  c10::intrusive_ptr<c10d::Work> run_staged(c10d::OpType op, const at::Tensor& output, const at::Tensor& input);
-  std::mutex staged_mutex_;
-  std::map<std::thread::id, std::pair<c10d::OpType, Launch>> staged_;
+  // The call this thread deferred for `op`, run, when the tensors are the zero-element tokens.
+  c10::intrusive_ptr<c10d::Work> run_deferred(c10d::OpType op, const at::Tensor& output, const at::Tensor& input);
+  std::mutex deferred_mutex_;
+  std::map<std::thread::id, std::pair<c10d::OpType, Launch>> deferred_;
 
   // The parameter collectives for tensors on `device` (-1: CPU; CUDA's made at the first call).
   ParamCollectives& params(int device);

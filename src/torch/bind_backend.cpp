@@ -142,16 +142,16 @@ void bind_backend(pybind11::module_& m) {
            py::arg("grads"), py::arg("out"), py::arg("out_offsets"), py::arg("op"),
            py::arg("reuse") = nullptr, py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            py::call_guard<py::gil_scoped_release>())
-      .def("stage_param_all_gather", &ProcessGroupTide::stage_param_all_gather, py::arg("layout"),
+      .def("defer_param_all_gather", &ProcessGroupTide::defer_param_all_gather, py::arg("layout"),
            py::arg("shards"), py::arg("shard_offsets"), py::arg("shard_dtype"), py::arg("storages"),
            "param_all_gather, checked and kept for this thread's next all_gather_into_tensor of "
            "zero-element tensors on this group (which runs it, visible as c10d::_allgather_base_).")
-      .def("stage_param_reduce_scatter", &ProcessGroupTide::stage_param_reduce_scatter, py::arg("layout"),
+      .def("defer_param_reduce_scatter", &ProcessGroupTide::defer_param_reduce_scatter, py::arg("layout"),
            py::arg("grads"), py::arg("out"), py::arg("out_offsets"), py::arg("op"), py::arg("reuse") = nullptr,
            py::arg("reuse_regions") = std::vector<std::pair<int64_t, int64_t>>{},
            "param_reduce_scatter, kept for this thread's next reduce_scatter_tensor of zero-element "
            "tensors on this group (visible as c10d::_reduce_scatter_base_).")
-      .def("unstage", &ProcessGroupTide::unstage, "Drops this thread's staged call, if any.")
+      .def("drop_deferred", &ProcessGroupTide::drop_deferred, "Drops this thread's deferred call, if any.")
       .def("last_staging_report", &ProcessGroupTide::last_staging_report)
       .def("host_allgather_algorithm", &ProcessGroupTide::host_allgather_algorithm,
            "How TIDE-AG moves shards on the host: 'direct' or 'doubling' (TIDE_HOST_ALLGATHER).")

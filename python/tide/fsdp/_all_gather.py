@@ -48,7 +48,7 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
 
     def all_gather_each(storages):
         """One TIDE-AG per dtype of the group, in order; their Works."""
-        return [as_c10d(group, backend, device, "all_gather", lambda st=st, idx=idx: backend.stage_param_all_gather(
+        return [as_c10d(group, backend, device, "all_gather", lambda st=st, idx=idx: backend.defer_param_all_gather(
             st.layout, st.shards, st.offsets, st.dtype, [storages[i] for i in idx])) for idx, st in parts]
 
     event = None

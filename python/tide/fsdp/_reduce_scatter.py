@@ -98,7 +98,7 @@ def _on_cpu(group, backend, device, fsdp_params, unsharded_grads, layout, out_of
     for indices in by_dtype.values():
         sub = layout if len(by_dtype) == 1 else plan([fsdp_params[i] for i in indices], group.size())
         work = as_c10d(group, backend, device, "reduce_scatter",
-                       lambda sub=sub, indices=indices: backend.stage_param_reduce_scatter(
+                       lambda sub=sub, indices=indices: backend.defer_param_reduce_scatter(
                            sub, [grads[i] for i in indices], reduce_output, [out_offsets[i] for i in indices],
                            rs_op, reuse, regions))
         work.wait()
@@ -142,7 +142,7 @@ def _on_cuda(group, backend, device, fsdp_params, unsharded_grads, layout, out_o
         reduce_output = torch.empty(sum(padded), dtype=reduce_dtype, device=device)
         try:
             as_c10d(group, backend, device, "reduce_scatter",
-                    lambda: backend.stage_param_reduce_scatter(layout, grads, reduce_output,
+                    lambda: backend.defer_param_reduce_scatter(layout, grads, reduce_output,
                                                                out_offsets, rs_op, reuse, regions))
         finally:
             if block is not None:  # free again once this stream is past the reduce-scatter

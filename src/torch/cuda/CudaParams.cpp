@@ -61,7 +61,7 @@ class CudaParams final : public ParamCollectives {
                     " nodes and ", why);
         nodes = CudaPath::Nodes{*a_.topology, a_.nccl()};
       }
-      path_ = std::make_unique<CudaPath>(a_.store, a_.ns, a_.rank, a_.world_size, a_.timeout, a_.exchange,
+      path_ = std::make_unique<CudaPath>(a_.store, a_.ns, a_.rank, a_.world_size, a_.timeout, a_.all_gather_bytes,
                                          std::move(nodes));
     }
     return *path_;

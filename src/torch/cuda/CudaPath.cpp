@@ -106,13 +106,13 @@ std::string describe(const Fingerprint& f) {
 }  // namespace
 
 CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-                   std::chrono::milliseconds timeout, Exchange exchange, std::optional<Nodes> nodes)
+                   std::chrono::milliseconds timeout, AllGatherBytes all_gather_bytes, std::optional<Nodes> nodes)
     : store_(std::move(store)),
       ns_(std::move(ns)),
       rank_(rank),
       ws_(world_size),
       timeout_(timeout),
-      exchange_(std::move(exchange)),
+      all_gather_bytes_(std::move(all_gather_bytes)),
       nodes_(std::move(nodes)) {
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
@@ -189,7 +189,7 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
 void CudaPath::choose_one_sided(int device) {
   const std::string why = NcclOneSided::why_not(*nodes_->nccl, device);
   // Every rank or none: a put meets no receive, and a receive no put.
-  const auto all = exchange_(std::vector<uint8_t>{static_cast<uint8_t>(why.empty())});
+  const auto all = all_gather_bytes_(std::vector<uint8_t>{static_cast<uint8_t>(why.empty())});
   int refusing = -1;
   for (int r = 0; r < static_cast<int>(all.size()) && refusing < 0; ++r)
     if (all[r].empty() || all[r][0] == 0) refusing = r;
@@ -248,7 +248,7 @@ tide::Engine& CudaPath::all_gather_engine(const std::shared_ptr<tide::SymmetricB
     error = e.what();
   }
   if (ok && wire_->windows() == windows) return *puts_;  // known before: no rank registered anew
-  const auto all = exchange_(std::vector<uint8_t>{static_cast<uint8_t>(ok)});
+  const auto all = all_gather_bytes_(std::vector<uint8_t>{static_cast<uint8_t>(ok)});
   for (int r = 0; r < static_cast<int>(all.size()); ++r)
     if (all[r].empty() || all[r][0] == 0) {
       one_sided_why_ = r == rank_ ? tide::detail::concat("NCCL registered no window here", error.empty() ? "" : ": ", error)
@@ -297,7 +297,7 @@ void CudaPath::check_across_ranks(const char* collective, const tide::plan::Grou
   std::memcpy(bytes.data(), &mine, sizeof mine);
   std::vector<std::vector<uint8_t>> all;
   try {
-    all = exchange_(bytes);
+    all = all_gather_bytes_(bytes);
   } catch (const c10::Error& e) {  // a dead or silent peer: name the collective it failed
     raise_failed(tide::detail::concat("tide ", collective, ": rank ", rank_, ": checking the ranks' arguments: ",
                                       e.what_without_backtrace()));

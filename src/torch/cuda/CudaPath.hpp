@@ -54,7 +54,7 @@ namespace tide::torch_backend {
 class CudaPath {
  public:
   // All ranks' fingerprints, in rank order, given this rank's (a host all-gather).
-  using Exchange = std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
+  using AllGatherBytes = std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
 
   // A group over several nodes also passes its topology and its NCCL delegate: the CUDA
   // group is then this rank's node (its ranks map each other's memory) and the inter-node
@@ -64,7 +64,7 @@ class CudaPath {
     c10::intrusive_ptr<c10d::Backend> nccl;
   };
   CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-           std::chrono::milliseconds timeout, Exchange exchange, std::optional<Nodes> nodes = std::nullopt);
+           std::chrono::milliseconds timeout, AllGatherBytes all_gather_bytes, std::optional<Nodes> nodes = std::nullopt);
   ~CudaPath();
   CudaPath(const CudaPath&) = delete;
   CudaPath& operator=(const CudaPath&) = delete;
@@ -128,7 +128,7 @@ class CudaPath {
   std::string ns_;
   int rank_, ws_;
   std::chrono::milliseconds timeout_;
-  Exchange exchange_;
+  AllGatherBytes all_gather_bytes_;
   std::optional<Nodes> nodes_;
   std::unique_ptr<NcclEngine> engine_;          // across nodes, on the group's device: send / recv
   std::unique_ptr<NcclOneSided> wire_;          // and one-sided puts, where every rank's NCCL has them
