@@ -196,12 +196,30 @@ std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology
                                            SymmetricBuffer& progress, SymmetricBuffer& storages,
                                            std::vector<size_t> storage_offsets, std::chrono::milliseconds timeout);
 
-// TIDE-AG of a group over several nodes: this rank's own shard, cast, to its placement in
-// its own storages, then node_param_all_gather over the two-level schedule paced at
-// pace_bytes per rank and round (in the storage dtype; 0: TIDE_ALLGATHER_PACE_BYTES or 4 MiB). `progress` carries the progress
-// values from one collective to the next; `schedules` keeps the plans for the next calls.
-void param_all_gather_across_nodes(const ParamAllGather& args, const plan::Topology& topology, int rank,
-                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress,
-                                   NodeScheduleCache& schedules);
+// Both parameter collectives of a group over several nodes on the host, from one rank: the
+// node's host communicator, the nodes and the engine between them, and what TIDE-AG carries
+// from one call to the next (the node's progress words and values, the schedules).
+class TwoLevelComm {
+ public:
+  // Collective over the node: allocates the progress words on `node`.
+  TwoLevelComm(Comm& node, TwoLevel group, std::chrono::milliseconds timeout);
+  // TIDE-AG: this rank's own shard, cast, to its placement in its own storages, which lie in
+  // `home` (node-symmetric memory) at `offsets`; then node_param_all_gather over the
+  // two-level schedule paced at pace_bytes per rank and round (storage dtype; 0:
+  // TIDE_ALLGATHER_PACE_BYTES or 4 MiB).
+  void param_all_gather(const ParamAllGather& args, SymmetricBuffer& home, std::vector<size_t> offsets,
+                        size_t pace_bytes = 0);
+  // TIDE-RS: the node's communicator checks the arguments across the node and runs the
+  // executor over its RsNode and the engine.
+  StagingReport param_reduce_scatter(ParamReduceScatter args);
+
+ private:
+  Comm& node_;
+  TwoLevel group_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<SymmetricBuffer> progress_words_;
+  uint64_t progress_ = 0;
+  NodeScheduleCache schedules_;
+};
 
 }  // namespace tide

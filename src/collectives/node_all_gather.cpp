@@ -197,9 +197,13 @@ const plan::NodeAllGatherSchedule& NodeScheduleCache::get(const plan::GroupLayou
   return *it->second;
 }
 
-void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology& topo, int rank,
-                                   size_t pace_bytes, Engine& engine, NodePeers& peers, uint64_t& progress,
-                                   NodeScheduleCache& schedules) {
+TwoLevelComm::TwoLevelComm(Comm& node, TwoLevel group, std::chrono::milliseconds timeout)
+    : node_(node), group_(group), timeout_(timeout), progress_words_(node.allocate_symmetric(64)) {}
+
+void TwoLevelComm::param_all_gather(const ParamAllGather& a, SymmetricBuffer& home, std::vector<size_t> offsets,
+                                    size_t pace_bytes) {
+  const plan::Topology& topo = group_.topology;
+  const int rank = group_.rank;
   const plan::GroupLayout& layout = *a.layout;
   const size_t es = dtype_size(a.storage_dtype);
   if (pace_bytes == 0) pace_bytes = env::get_bytes("TIDE_ALLGATHER_PACE_BYTES", size_t{4} << 20);
@@ -213,10 +217,16 @@ void param_all_gather_across_nodes(const ParamAllGather& a, const plan::Topology
                      src + static_cast<size_t>(c * pl.run) * dtype_size(a.shard_dtype), a.shard_dtype,
                      static_cast<size_t>(pl.run));
   }
-  const plan::NodeAllGatherSchedule& schedule =
-      schedules.get(layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)),
-                    rank);
-  progress = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress}, engine, peers);
+  const plan::NodeAllGatherSchedule& schedule = schedules_.get(
+      layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)), rank);
+  const std::unique_ptr<NodePeers> peers =
+      make_node_peers(node_, topo, rank, *progress_words_, home, std::move(offsets), timeout_);
+  progress_ = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress_}, *group_.engine, *peers);
+}
+
+StagingReport TwoLevelComm::param_reduce_scatter(ParamReduceScatter args) {
+  args.nodes = &group_;
+  return node_.param_reduce_scatter(args);
 }
 
 }  // namespace tide

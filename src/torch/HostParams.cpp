@@ -47,10 +47,7 @@ class HostParamsAcrossNodes final : public ParamCollectives {
  public:
   HostParamsAcrossNodes(tide::GroupNodes nodes, int rank, std::chrono::milliseconds timeout,
                         std::function<c10::intrusive_ptr<c10d::Backend>()> gloo)
-      : nodes_(std::move(nodes)), rank_(rank), timeout_(timeout), gloo_(std::move(gloo)) {
-    // Each rank's TIDE-AG progress word, in its node's symmetric memory.
-    if (nodes_.node_comm) progress_ = nodes_.node_comm->allocate_symmetric(64);
-  }
+      : nodes_(std::move(nodes)), rank_(rank), timeout_(timeout), gloo_(std::move(gloo)) {}
   std::string why_not() const override {
     if (!nodes_.topology) return "its nodes are not equal blocks of consecutive ranks (" + nodes_.topology_error + ")";
     if (!engine()) return "no inter-node engine (gloo) was set";
@@ -69,10 +66,7 @@ class HostParamsAcrossNodes final : public ParamCollectives {
     auto [home, offsets] = homes_.find(ranges);
     TORCH_CHECK(home, "tide param_all_gather: rank ", rank_, ": across nodes, the unsharded storages must lie in "
                 "memory from this group's allocate_symmetric (node peers read them)");
-    auto peers = tide::make_node_peers(*nodes_.node_comm, *nodes_.topology, rank_, *progress_, *home,
-                                       std::move(offsets), timeout_);
-    tide::param_all_gather_across_nodes(args, *nodes_.topology, rank_, 0, *engine(), *peers, progress_value_,
-                                        schedules_);
+    two_level().param_all_gather(args, *home, std::move(offsets));
     return {};
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter(tide::ParamReduceScatter& args, const at::Tensor&,
@@ -83,9 +77,7 @@ class HostParamsAcrossNodes final : public ParamCollectives {
                   ": across nodes, Slot-Reuse memory must come from this group's allocate_symmetric");
       args.reuse = node_reuse->node_memory().get();
     }
-    const tide::TwoLevel nodes{*nodes_.topology, rank_, engine()};
-    args.nodes = &nodes;
-    report = nodes_.node_comm->param_reduce_scatter(args);
+    report = two_level().param_reduce_scatter(args);
     return {};
   }
   std::string all_gather_algorithm() const override { return "two-level"; }
@@ -104,16 +96,21 @@ class HostParamsAcrossNodes final : public ParamCollectives {
       if (auto gloo = gloo_()) engine_ = std::make_unique<GlooEngine>(std::move(gloo), timeout_);
     return engine_.get();
   }
+  // Both collectives' communicator, made at the first (collective) call, once gloo is set.
+  tide::TwoLevelComm& two_level() {
+    if (!two_level_)
+      two_level_ = std::make_unique<tide::TwoLevelComm>(*nodes_.node_comm,
+                                                        tide::TwoLevel{*nodes_.topology, rank_, engine()}, timeout_);
+    return *two_level_;
+  }
   tide::GroupNodes nodes_;
   int rank_;
   std::chrono::milliseconds timeout_;
   std::function<c10::intrusive_ptr<c10d::Backend>()> gloo_;
   mutable std::mutex engine_mutex_;
   mutable std::unique_ptr<GlooEngine> engine_;
-  std::shared_ptr<tide::SymmetricBuffer> progress_;
-  uint64_t progress_value_ = 0;
-  tide::NodeScheduleCache schedules_;  // TIDE-AG's plans
-  tide::NodeHomes homes_;              // allocate_symmetric's buffers
+  std::unique_ptr<tide::TwoLevelComm> two_level_;
+  tide::NodeHomes homes_;  // allocate_symmetric's buffers
 };
 
 }  // namespace

@@ -402,12 +402,13 @@ inline std::string scenario_all_gather_nodes(const RankCtx& c, DType shard_t, DT
   a.storages = storages;
   a.storage_dtype = storage_t;
   NodeScheduleCache schedules;
-  const cuda::NodeAllGatherArgs nodes{&topo, c.rank, home.get(), storage_offs, 96, &schedules};  // paced: several rounds
+  const TwoLevel group{topo, c.rank, &engine};
+  const cuda::NodeAllGatherArgs nodes{&group, home.get(), storage_offs, 96, &schedules};  // paced: several rounds
   for (int iter = 0; iter < 2; ++iter) {
     TIDE_CUDA_CHECK(cudaMemset(home->local(), 0xFF, storage_total));
     TIDE_CUDA_CHECK(cudaDeviceSynchronize());
     g.barrier();  // every rank filled before any peer reads
-    cuda::param_all_gather_across_nodes(g, a, nodes, engine, nullptr);
+    cuda::param_all_gather_across_nodes(g, a, nodes, nullptr);
     expect_all_gathered(c, layout, shard_t, storage_t, storages, detail::concat("iteration ", iter, ": "));
     g.barrier();  // nobody reads this rank's storages any more
   }
@@ -515,7 +516,7 @@ inline std::string scenario_reduce_scatter_nodes(const RankCtx& c, DType grad_t,
   RsCase rc(c, layout, grad_t, op);
   StoreDeviceEngine engine(*store, topo, c.rank, g.compute_stream());
   StagingReport rep;
-  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter_across_nodes(g, rc.args, topo, c.rank, engine);
+  for (int iter = 0; iter < 2; ++iter) rep = cuda::param_reduce_scatter_across_nodes(g, rc.args, {topo, c.rank, &engine});
   const float node_scale = op == ReduceOp::premul_sum ? 0.37f : 1.f;
   const float final_scale = op == ReduceOp::avg ? 1.f / static_cast<float>(c.ws) : 1.f;
   rc.check(c, [&](int64_t j, const std::vector<std::vector<uint8_t>>& all) {

@@ -198,20 +198,20 @@ void param_all_gather(CudaGroup& group, const ParamAllGather& args, cudaStream_t
 // schedule of src/collectives/node_all_gather.cpp with the node peers' storages read over
 // copy engines from the symmetric memory they lie in (storage p of every node rank at
 // storage_offsets[p] of storage_home's part of that rank, indexed by local rank) and the
-// inter-node rounds over `engine`, which must be ordered on group.copy_stream() (it starts
+// inter-node rounds over the group's engine (nodes->engine), which must be ordered on
+// group.copy_stream() (it starts
 // after what was enqueued there before it, and what is enqueued after waits for it). Own
 // shard: shards->local() at shard_offsets, cast on the GPU where the dtypes differ. Nothing
 // waits on the host; `stream` waits for the end.
 struct NodeAllGatherArgs {
-  const plan::Topology* topology = nullptr;
-  int rank = 0;  // in the whole group
+  const TwoLevel* nodes = nullptr;  // the group, this rank in it, the engine
   SymmetricBuffer* storage_home = nullptr;
   std::span<const size_t> storage_offsets;
   size_t pace_bytes = 0;  // per rank and round, storage dtype; 0: TIDE_ALLGATHER_PACE_BYTES or 4 MiB
   NodeScheduleCache* schedules = nullptr;  // the plans, kept for the next calls
 };
 void param_all_gather_across_nodes(CudaGroup& group, const ParamAllGather& args, const NodeAllGatherArgs& nodes,
-                                   Engine& engine, cudaStream_t stream);
+                                   cudaStream_t stream);
 
 // TIDE-RS on CUDA (src/transport/cuda/rs_node.cpp: the executor of
 // src/collectives/param_reduce_scatter.cpp over this group as its node): grads (device
@@ -224,9 +224,9 @@ StagingReport param_reduce_scatter(CudaGroup& group, const ParamReduceScatter& a
 // The same over several nodes, `group` being this rank's node (`rank` in the whole group,
 // args.layout the whole group's): fp32 node partials in local rank order on the rank of the
 // destination's rail, carried along the rail by `engine` (ordered on group.compute_stream()),
-// added in node order. Slot-Reuse memory is the node's.
+// added in node order (`nodes`: the group, this rank in it, the engine). Slot-Reuse memory
+// is the node's.
 StagingReport param_reduce_scatter_across_nodes(CudaGroup& group, const ParamReduceScatter& args,
-                                                const plan::Topology& topology, int rank, Engine& engine,
-                                                cudaStream_t stream = nullptr);
+                                                const TwoLevel& nodes, cudaStream_t stream = nullptr);
 
 }  // namespace tide::cuda

@@ -360,12 +360,12 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_all_gather_across_nodes(const tid
                      tide::fnv(tide::fnv(hash_values(args.shard_offsets), hash_values(storage_offsets)), home_bytes),
                      puts_ != nullptr);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-  tide::cuda::NodeAllGatherArgs across{&nodes_->topology, rank_, home.get(), storage_offsets, 0, &schedules_};
-  tide::Engine& engine = all_gather_engine(home);
+  const tide::TwoLevel group{nodes_->topology, rank_, &all_gather_engine(home)};
+  tide::cuda::NodeAllGatherArgs across{&group, home.get(), storage_offsets, 0, &schedules_};
   guarded("param_all_gather", [&] {
     engine_->bind(g.copy_stream());  // NCCL ordered with the node's copies
     if (wire_) wire_->bind(g.copy_stream());
-    tide::cuda::param_all_gather_across_nodes(g, args, across, engine, stream);
+    tide::cuda::param_all_gather_across_nodes(g, args, across, stream);
   });
   if (tide::env::debug())
     tide::env::log(tide::detail::concat("cuda: rank ", rank_, ": param_all_gather #", seq_ - 1, ": ",
@@ -398,7 +398,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamR
   guarded("param_reduce_scatter", [&] {
     if (nodes_) {
       engine_->bind(g.compute_stream());  // NCCL ordered with the node's sums
-      *report = tide::cuda::param_reduce_scatter_across_nodes(g, args, nodes_->topology, rank_, *engine_, stream);
+      *report = tide::cuda::param_reduce_scatter_across_nodes(g, args, {nodes_->topology, rank_, engine_.get()}, stream);
     } else {
       *report = tide::cuda::param_reduce_scatter(g, args, stream);
     }

@@ -77,9 +77,11 @@ bool castable(DType t) { return t == DType::f32 || t == DType::bf16 || t == DTyp
 }  // namespace
 
 void param_all_gather_across_nodes(CudaGroup& g, const ParamAllGather& a, const NodeAllGatherArgs& nodes,
-                                   Engine& engine, cudaStream_t stream) {
-  const plan::Topology& topo = *nodes.topology;
-  const int me = nodes.rank;
+                                   cudaStream_t stream) {
+  TIDE_CHECK(nodes.nodes && nodes.nodes->engine, "tide: cuda: param_all_gather: no group of nodes or no engine");
+  const plan::Topology& topo = nodes.nodes->topology;
+  const int me = nodes.nodes->rank;
+  Engine& engine = *nodes.nodes->engine;
   TIDE_CHECK(a.layout, "tide: cuda: param_all_gather on rank ", me, ": no layout");
   const plan::GroupLayout& layout = *a.layout;
   const size_t np = layout.params.size();

@@ -123,9 +123,9 @@ StagingReport param_reduce_scatter(CudaGroup& g, const ParamReduceScatter& a, cu
   return run(g, a, {{g.world_size(), g.world_size(), 1}, g.rank(), nullptr}, stream);
 }
 
-StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceScatter& a, const plan::Topology& topo,
-                                                int rank, Engine& engine, cudaStream_t stream) {
-  return run(g, a, {topo, rank, &engine}, stream);
+StagingReport param_reduce_scatter_across_nodes(CudaGroup& g, const ParamReduceScatter& a, const TwoLevel& nodes,
+                                                cudaStream_t stream) {
+  return run(g, a, nodes, stream);
 }
 
 }  // namespace tide::cuda
