@@ -1,9 +1,11 @@
 // The CUDA node-local layer: one CudaGroup per process group and process (one rank per
 // process; several processes may share one GPU). It owns two non-blocking streams (copy:
 // copy-engine transfers, compute: short-lived CTAs), a control block of flags, and the
-// TIDE-RS staging slots in symmetric device memory, and runs TIDE-AG / TIDE-RS directly
-// (src/transport/cuda/param_*.cpp) rather than through tide::Transport, whose blocking
-// host-memory engines do not fit stream-ordered device memory.
+// TIDE-RS staging slots in symmetric device memory. The collectives run on it directly
+// (TIDE-AG: src/collectives/cuda/param_all_gather.cpp; TIDE-RS and TIDE-AG across nodes:
+// the shared executors over its node interfaces, src/transport/cuda/rs_node.cpp and
+// node_all_gather.cpp) rather than through tide::Transport, whose blocking host-memory
+// copies and reductions do not fit stream-ordered device memory.
 //
 // Synchronisation between ranks: monotonic 32-bit counters ("at least" compared modulo
 // 2^32) in a control block of HOST memory that every rank maps (a memfd passed over the

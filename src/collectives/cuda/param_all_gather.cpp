@@ -11,7 +11,7 @@
 #include <algorithm>
 
 #include "../../core/env.hpp"
-#include "copies.hpp"
+#include "../../transport/cuda/copies.hpp"
 #include "tide/cuda/check.hpp"
 #include "tide/cuda/group.hpp"
 #include "tide/cuda/kernels.hpp"
