@@ -216,7 +216,7 @@ def tide_accumulate_bytes(numel: int, ws: int, g: int, nodes: int, grad_elem: in
 def tide_reducescatter_traffic(g: int, nodes: int, numel: float, grad_elem: int = 2,
                                 cross_elem: int = 4) -> dict:
     """What each rank moves in TIDE-RS across nodes, as node_param_reduce_scatter
-    (src/collectives/node_reduce_scatter.cpp) moves it: from its node's g-1 peers, their
+    (src/collectives/param_reduce_scatter.cpp) moves it: from its node's g-1 peers, their
     slices of the elements of its rail (numel/g of them, grad dtype); through its NIC, the
     node partials of the other nodes' rail ranks (numel/g (nodes-1)/nodes elements, fp32),
     all of a window's in one exchange, windows pipelined (one RDMA latency counted).
