@@ -1,0 +1,621 @@
+"""The paper's experiment: FSDP2 training steps of its workloads, stock FSDP2 against TIDE,
+measured side by side in one run, with the step-time model's prediction and the paper's
+figures beside them.
+
+    torchrun --nproc-per-node 8 --nnodes 8 ... -m tide.bench.step --model llama3.1-70b \\
+        [--layers N] [--hidden-divisor K] [--tokens-per-gpu T] [--steps 20] [--json out.json]
+
+Every variant trains the same model from the same weights on the same batches, one after
+the other in the same processes:
+- stock FSDP2 on the baseline backend (NCCL on GPUs, gloo on CPUs);
+- FSDP2 as its best users configure it (GPUs only): symmetric memory for its collectives
+  with force-sum reduction on a zero-CTA NCCL group, a separate reduce-scatter group and two
+  reduce-scatter input buffers, each where the running torch has it (the others are named);
+- TIDE (the tide backend, FSDP2's collectives replaced by TIDE-AG / TIDE-RS);
+- TIDE with Slot-Reuse (TIDE_SLOT_REUSE=1).
+The model is built on the meta device, sharded, then each rank fills its own shards, so a
+70B model fits. Mixed precision: bf16 parameters with fp32 reduction on GPUs (the paper's
+setting); on CPUs fp32 and bf16 both, every variant in each. Activation checkpointing per
+block unless --no-activation-checkpointing.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+from . import model as step_model
+from . import workloads as wl
+
+# The paper's figures (shared/mission/TIDE.md), printed beside the measurements; never used
+# in a computation.
+PAPER = step_model.PAPER
+# Time-to-accuracy does not change: the variants differ in how bytes move, not in the math.
+IMPLS = ("stock", "best", "tide", "tide-slot-reuse")
+IMPL_LABEL = {"stock": "stock FSDP2", "best": "FSDP2 best-configured", "tide": "TIDE",
+              "tide-slot-reuse": "TIDE + Slot-Reuse"}
+# CPU runs default to a small batch: the paper's 8192 tokens per GPU would make a step of a
+# 2-layer model take seconds of compute on one core and hide what the collectives cost.
+DEFAULT_TOKENS = {"cuda": 8192, "cpu": 128}
+DEFAULT_SEQ = 8192
+
+
+@dataclass
+class Variant:
+    impl: str
+    bf16: bool
+    skipped: str = ""  # why it did not run (printed and in the JSON)
+    missing_knobs: list = field(default_factory=list)  # best-configured: what this torch lacks
+
+    @property
+    def key(self) -> str:
+        return f"{self.impl}-{'bf16' if self.bf16 else 'fp32'}"
+
+    def label(self, baseline: str) -> str:
+        engine = f" / {baseline}" if self.impl in ("stock", "best") else ""
+        return f"{IMPL_LABEL[self.impl]}{engine} {'bf16' if self.bf16 else 'fp32'}"
+
+
+# --------------------------------------------------------------------------------------
+# one variant on this rank
+# --------------------------------------------------------------------------------------
+
+def _process_groups(device_type: str):
+    """The groups the variants run on: stock's baseline group, the tide group (the default
+    group, as users create it) and a gloo group of this script's own bookkeeping."""
+    import torch.distributed as dist
+
+    baseline = "nccl" if device_type == "cuda" else "gloo"
+    return dict(tide=dist.group.WORLD, baseline=dist.new_group(backend=baseline),
+                meta=dist.new_group(backend="gloo"), baseline_name=baseline)
+
+
+def _best_group(variant: Variant):
+    """The zero-CTA NCCL group (torch >= 2.13 has the policy), or the default NCCL options."""
+    import torch.distributed as dist
+
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is not None and hasattr(nccl, "NCCL_CTA_POLICY_ZERO"):
+        opts = nccl.Options()
+        opts.config.cta_policy = nccl.NCCL_CTA_POLICY_ZERO
+        return dist.new_group(backend="nccl", pg_options=opts)
+    variant.missing_knobs.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
+    return dist.new_group(backend="nccl")
+
+
+def _configure_best(model, variant: Variant):
+    """FSDP2's own knobs, each where this torch has it."""
+    knobs = [("set_symm_mem_for_comm", (), "symmetric memory for FSDP2's collectives"),
+             ("set_force_sum_reduction_for_comms", (True,), "force-sum reduction"),
+             ("set_separate_reduce_scatter_group", (), "a separate reduce-scatter group"),
+             ("set_reduce_scatter_max_input_buffers", (2,), "two reduce-scatter input buffers")]
+    for method, args, what in knobs:
+        if hasattr(model, method):
+            getattr(model, method)(*args)
+        else:
+            variant.missing_knobs.append(f"{what} (FSDPModule.{method})")
+
+
+def _build(args, variant: Variant, groups, device):
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from . import nets
+
+    shape = wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)
+    with torch.device("meta"):
+        model = nets.BUILDERS[args.model](shape)
+    if args.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer)
+    group = {"stock": groups["baseline"], "best": groups.get("best"), "tide": groups["tide"],
+             "tide-slot-reuse": groups["tide"]}[variant.impl]
+    mesh = DeviceMesh.from_group(group, device.type)
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if variant.bf16 else MixedPrecisionPolicy())
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if variant.impl == "best":
+        _configure_best(model, variant)
+    model.to_empty(device=device)
+    nets.init_weights(model, group.rank(), seed=args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    return model, opt
+
+
+def _rss_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    # The variants run one after another in one process: what an earlier one freed goes
+    # back to the system first, or this one would reuse it without growing the resident set.
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM back to the current resident set
+    return _rss_kib("VmRSS") * 1024
+
+
+def _peak_bytes(device, base: int) -> int:
+    """The allocator's peak on GPU; on CPU the growth of the peak resident set over `base`
+    (the resident set when the variant started, so earlier variants do not count)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _rss_kib("VmHWM") * 1024 - base
+
+
+def _gpu_profile(prof, sm_count: int) -> dict:
+    """From a profiled step's trace: the collectives' kernels (NCCL's and TIDE's) and copy-engine
+    transfers, the SMs their kernels asked for (grid blocks, at most the GPU's SMs), and the
+    exposed communication: the time communication runs while no other kernel does."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as t:
+            events = json.load(t).get("traceEvents", [])
+    comm, compute, kernels = [], [], {}
+    for ev in events:
+        cat, name = ev.get("cat", ""), ev.get("name", "")
+        if cat not in ("kernel", "gpu_memcpy") or "dur" not in ev:
+            continue
+        span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
+        is_comm = cat == "gpu_memcpy" and "PtoP" in name or "nccl" in name.lower() or "tide" in name.lower()
+        (comm if is_comm else compute).append(span)
+        if is_comm:
+            grid = ev.get("args", {}).get("grid", [0])
+            blocks = 1
+            for g in grid:
+                blocks *= int(g)
+            k = kernels.setdefault(name[:60], dict(count=0, sms=0, copy_engine=cat == "gpu_memcpy"))
+            k["count"] += 1
+            k["sms"] = max(k["sms"], 0 if cat == "gpu_memcpy" else min(blocks, sm_count))
+
+    def union(spans):
+        out = []
+        for a, b in sorted(spans):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    busy = union(compute)
+    exposed = 0.0
+    for a, b in union(comm):
+        covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+        exposed += (b - a) - covered
+    return dict(exposed_comm_ms=exposed / 1e3, comm_kernels=kernels,
+                comm_sms=max((k["sms"] for k in kernels.values()), default=0))
+
+
+def run_variant(args, variant: Variant, groups, device) -> dict:
+    """Trains `variant` for warm-up + timed + profiled steps; this rank's measurements."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    import tide.fsdp
+    from tide import demo
+
+    old_reuse = os.environ.get("TIDE_SLOT_REUSE")
+    os.environ["TIDE_SLOT_REUSE"] = "1" if variant.impl == "tide-slot-reuse" else "0"
+    stats_before = dict(tide.fsdp.stats)
+    try:
+        if variant.impl == "best":
+            groups["best"] = _best_group(variant)
+        base = _reset_peak(device)
+        model, opt = _build(args, variant, groups, device)
+        rank = dist.get_rank()
+        tokens, seq = args.tokens_per_gpu, min(args.seq_len, args.tokens_per_gpu)
+
+        def step(i):
+            loss = model.loss(model.batch(tokens, seq, i, rank, device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        step_ms, losses = [], []
+        for i in range(args.warmup + args.steps):
+            dist.barrier(group=groups["meta"])  # every rank starts the step together
+            t0 = time.perf_counter()
+            loss = step(i)
+            sync()
+            elapsed = (time.perf_counter() - t0) * 1e3
+            losses.append(loss.item())
+            if i >= args.warmup:
+                step_ms.append(elapsed)
+        peak = _peak_bytes(device, base)
+        records, gpu = [], []
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        profiled_ms = []
+        for i in range(args.profile_steps):
+            dist.barrier(group=groups["meta"])
+            with profile(activities=activities) as prof:
+                t0 = time.perf_counter()
+                step(args.warmup + args.steps + i)
+                sync()
+                profiled_ms.append((time.perf_counter() - t0) * 1e3)
+            records.append(demo.step_record(prof.events(), prof.profiler.kineto_results.trace_start_ns()))
+            if device.type == "cuda":
+                copies = sum(ev.device_time_total for ev in prof.events() if demo._base(ev.name) in demo.COPY_OPS)
+                g = _gpu_profile(prof, torch.cuda.get_device_properties(device).multi_processor_count)
+                g["layout_copies_ms"] = copies / 1e3
+                gpu.append(g)
+        paths = {k: tide.fsdp.stats[k] - stats_before[k] for k in tide.fsdp.stats}
+        del model, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            tide.fsdp.release_cuda_pools()
+            torch.cuda.empty_cache()
+        return dict(step_ms=step_ms, losses=losses, peak_bytes=peak, records=records,
+                    profiled_ms=profiled_ms, gpu=gpu, paths=paths)
+    finally:
+        if old_reuse is None:
+            os.environ.pop("TIDE_SLOT_REUSE", None)
+        else:
+            os.environ["TIDE_SLOT_REUSE"] = old_reuse
+
+
+# --------------------------------------------------------------------------------------
+# every rank's measurements -> one variant's figures
+# --------------------------------------------------------------------------------------
+
+def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
+    """Step time of the slowest rank per step (median, min, max over the timed steps),
+    tokens/s of the whole group, the profiled steps' breakdown (mean over ranks and steps),
+    peak memory (the largest rank's), losses (mean over ranks, per step)."""
+    from tide import demo
+
+    ws = len(ranks)
+    slowest = [max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))]
+    median = statistics.median(slowest)
+    parts = [demo.breakdown([r["profiled_ms"][s] for r in ranks], [r["records"][s] for r in ranks])
+             for s in range(len(ranks[0]["records"]))]
+    mean = {k: statistics.fmean(p[k] for p in parts) for k in ("step",) + demo.PARTS} if parts else {}
+    out = dict(step_ms=dict(median=median, min=min(slowest), max=max(slowest), per_step=slowest),
+               tokens_per_s=tokens_per_gpu * ws / (median / 1e3),
+               breakdown=mean,
+               peak_bytes=max(r["peak_bytes"] for r in ranks),
+               losses=[statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
+               paths=ranks[0]["paths"])
+    if ranks[0]["gpu"]:
+        out["gpu"] = dict(
+            exposed_comm_ms=statistics.fmean(g["exposed_comm_ms"] for r in ranks for g in r["gpu"]),
+            layout_copies_ms=statistics.fmean(g["layout_copies_ms"] for r in ranks for g in r["gpu"]),
+            comm_sms=max(g["comm_sms"] for r in ranks for g in r["gpu"]),
+            comm_kernels=ranks[0]["gpu"][-1]["comm_kernels"])
+    return out
+
+
+def exposed_comm_ms(res: dict) -> float:
+    """GPU: communication no kernel overlaps (from the trace); CPU: time in FSDP2's
+    collective seams less their layout copies and the wait for a slower peer."""
+    if "gpu" in res:
+        return res["gpu"]["exposed_comm_ms"]
+    return res["breakdown"].get("exposed communication", float("nan"))
+
+
+def layout_copies_ms(res: dict) -> float:
+    if "gpu" in res:
+        return res["gpu"]["layout_copies_ms"]
+    return res["breakdown"].get("layout copies", float("nan"))
+
+
+def prediction(args, world_size: int, local_size: int, device_name: str) -> dict:
+    """The step-time model for the same (scaled) workload, batch and cluster: the hardware
+    preset of this GPU (H100 or H200; the H200 preset elsewhere, named), its world size and
+    GPUs per node, calibrated where --calibrate measured."""
+    name = device_name.lower()
+    preset = "h100-sxm" if "h100" in name else "h200-measured"
+    hw = step_model.hwmod.PRESETS[preset]
+    if args.calibration:
+        hw, _ = step_model.hwmod.calibrate(hw, args.calibration)
+    hw = hw.replace(gpus_per_node=local_size, nics_per_node=local_size)
+    shape = wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)
+    seq = min(args.seq_len, args.tokens_per_gpu)
+    workload = (wl.WORKLOADS[args.model](args.tokens_per_gpu, shape=shape) if args.model == "wan2.2-14b"
+                else wl.WORKLOADS[args.model](args.tokens_per_gpu, seq, shape=shape))
+    res = step_model.run_workload(workload, hw, step_model.Options(world_size=world_size))
+    return dict(hardware=hw.name, world_size=world_size, gpus_per_node=local_size,
+                params=workload.numel, step_ms={k: 1e3 * v for k, v in res["step_s"].items()},
+                tide_vs_stock_pct=res["tide_vs_stock_pct"], tide_vs_symm_pct=res["tide_vs_symm_pct"],
+                peak_GiB=res["peak_GiB"], peak_GiB_tide_slot_reuse=res["peak_GiB_tide_slot_reuse"])
+
+
+def measure_calibration(device, baseline_group) -> dict:
+    """What this GPU measures of the model's constants: a large bf16 GEMM's rate, a
+    device-to-device copy's bytes read + written per second, the SMs, the GPUs per node, and
+    NCCL's all-gather bus bandwidth inside the node where the group is one node."""
+    import torch
+    import torch.distributed as dist
+
+    def timed(fn, reps=10):
+        fn()
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    gemm_s = timed(lambda: a @ a)
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src))
+    out = dict(device=torch.cuda.get_device_name(device), gemm_bf16_TFLOPs=2 * n**3 / gemm_s / 1e12,
+               hbm_copy_GBps=2 * src.numel() / copy_s / 1e9,
+               sm_count=torch.cuda.get_device_properties(device).multi_processor_count,
+               gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    ws = dist.get_world_size(baseline_group)
+    if 1 < ws == out["gpus_per_node"]:
+        shard = torch.empty(1 << 26, dtype=torch.bfloat16, device=device)
+        full = torch.empty(shard.numel() * ws, dtype=torch.bfloat16, device=device)
+        ag_s = timed(lambda: dist.all_gather_into_tensor(full, shard, group=baseline_group), reps=5)
+        out["nvlink_GBps"] = full.numel() * 2 * (ws - 1) / ws / ag_s / 1e9
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# the report
+# --------------------------------------------------------------------------------------
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def format_report(report: dict) -> str:
+    run, results = report["run"], report["results"]
+    lines = [f"tide.bench.step: {run['workload']}, {run['params'] / 1e6:.1f}M parameters, "
+             f"{run['world_size']} ranks ({run['nodes']} node{'s' if run['nodes'] > 1 else ''} x "
+             f"{run['local_size']}), {run['device']}, torch {run['torch']}"
+             + (f", NCCL {run['nccl']}" if run.get("nccl") else ""),
+             f"  {run['tokens_per_gpu']} tokens per rank (sequences of {run['seq_len']}), "
+             f"activation checkpointing {'on' if run['activation_checkpointing'] else 'off'}, "
+             f"AdamW, {run['warmup']} warm-up + {run['steps']} timed + {run['profile_steps']} profiled steps",
+             f"  {run['machine']}", ""]
+    head = (f"{'variant':<34}{'step ms median [min-max]':>27}{'tokens/s':>11}{'exposed comm':>14}"
+            f"{'layout copies':>15}{'peak mem':>10}  vs stock (same precision)")
+    lines.append(head)
+    for key, res in results.items():
+        label = report["labels"][key]
+        if "skipped" in res:
+            lines.append(f"{label:<34}  not run: {res['skipped']}")
+            continue
+        st = res["step_ms"]
+        stock = results.get(f"stock-{key.rsplit('-', 1)[1]}")
+        ratio = (f"{st['median'] / stock['step_ms']['median']:.2f}x"
+                 if stock and "step_ms" in stock and not key.startswith("stock") else "")
+        lines.append(f"{label:<34}{st['median']:>10.1f} [{st['min']:.1f}-{st['max']:.1f}]".ljust(61)
+                     + f"{res['tokens_per_s']:>11.0f}{exposed_comm_ms(res):>11.1f} ms"
+                     f"{layout_copies_ms(res):>12.1f} ms{_fmt_bytes(res['peak_bytes']):>10}  {ratio}")
+    lines.append("")
+    lines.append("step: the slowest rank's, per timed step; exposed comm and layout copies (ms per step)"
+                 " from the profiled steps, mean over ranks; peak memory: "
+                 + ("the CUDA allocator's peak, largest rank" if run["device"].startswith("cuda")
+                    else "growth of the peak resident set over the variant, largest rank"))
+    gpu_rows = [(k, r) for k, r in results.items() if "gpu" in r]
+    if gpu_rows:
+        lines.append("collectives' kernels (profiler; SMs = grid blocks, at most the GPU's):")
+        for key, res in gpu_rows:
+            ks = ", ".join(f"{n} x{k['count']} ({'copy engine' if k['copy_engine'] else str(k['sms']) + ' SMs'})"
+                           for n, k in list(res["gpu"]["comm_kernels"].items())[:4]) or "none"
+            lines.append(f"  {report['labels'][key]}: {ks}")
+    else:
+        lines.append("collectives' kernels and SMs: none on CPU (the collectives run on the ranks' threads)")
+    for key, res in results.items():
+        if res.get("missing_knobs"):
+            lines.append(f"{report['labels'][key]}: this torch lacks " + "; ".join(res["missing_knobs"]))
+    pred = report.get("prediction")
+    if pred:
+        s = pred["step_ms"]
+        lines.append("")
+        lines.append(f"step-time model ({pred['hardware']}, {pred['world_size']} GPUs, {pred['gpus_per_node']} per "
+                     f"node, this workload and batch): stock {s['stock']:.1f} ms, FSDP2+SymmMem {s['symm']:.1f} ms, "
+                     f"TIDE {s['tide']:.1f} ms ({pred['tide_vs_stock_pct']:+.1f}% vs stock, "
+                     f"{pred['tide_vs_symm_pct']:+.1f}% vs SymmMem)"
+                     + ("" if run["device"].startswith("cuda") else
+                        "; a model of NVIDIA GPUs, not of this CPU: for scale only"))
+    lines.append(f"the paper (64 GPUs, bf16): step up to {PAPER['step_vs_stock_pct']}% vs stock FSDP2, up to "
+                 f"{PAPER['step_vs_symm_pct']}% vs FSDP2+SymmMem; layout copies {PAPER['layout_share_pct']}% of "
+                 f"stock's step (Llama-3.1 70B, 8K tokens/GPU)")
+    return "\n".join(lines)
+
+
+def write_png(report: dict, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = [(k, r) for k, r in report["results"].items() if "step_ms" in r]
+    labels = [report["labels"][k] for k, _ in ran]
+    parts = ("compute", "exposed communication", "waiting for a slower peer", "layout copies", "optimizer")
+    colors = ("#9aa5b1", "#2b6cb0", "#a3bffa", "#e53e3e", "#68d391")
+    fig, (ax, mem) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw=dict(width_ratios=[3, 1.3]))
+    bottom = [0.0] * len(ran)
+    for part, color in zip(parts, colors):
+        values = [r["breakdown"].get(part, 0.0) for _, r in ran]
+        ax.bar(labels, values, bottom=bottom, label=part, color=color)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.scatter(labels, [r["step_ms"]["median"] for _, r in ran], color="black", zorder=3,
+               label="median step (timed steps, slowest rank)")
+    ax.set_ylabel("ms per step")
+    ax.set_title("where a profiled step's time goes (mean over ranks)")
+    ax.legend(fontsize=7)
+    mem.bar(labels, [r["peak_bytes"] / 2**20 for _, r in ran], color="#805ad5")
+    mem.set_ylabel("MiB")
+    mem.set_title("peak memory")
+    for a in (ax, mem):
+        a.tick_params(axis="x", labelsize=7, labelrotation=20)
+    run = report["run"]
+    fig.suptitle(f"{run['workload']}, {run['world_size']} ranks on {run['device']}, torch {run['torch']}",
+                 fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="torchrun ... -m tide.bench.step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3.1-70b", choices=sorted(wl.WORKLOADS))
+    ap.add_argument("--layers", type=int, default=None, help="blocks (default: the model's)")
+    ap.add_argument("--hidden-divisor", type=int, default=1,
+                    help="divides the widths (hidden, FFN, vocabulary, experts' FFN, text); keeps the head dimension")
+    ap.add_argument("--tokens-per-gpu", type=int, default=None,
+                    help=f"default {DEFAULT_TOKENS['cuda']} on GPUs (the paper's), {DEFAULT_TOKENS['cpu']} on CPUs")
+    ap.add_argument("--seq-len", type=int, default=DEFAULT_SEQ, help="sequence length (at most tokens per GPU)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=1, help="profiled steps per variant, after the timed ones")
+    ap.add_argument("--variants", nargs="+", choices=IMPLS, default=list(IMPLS))
+    ap.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=None,
+                    help="default: bf16 on GPUs (bf16 parameters, fp32 reduction); fp32 and bf16 on CPUs")
+    ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="write every measurement, the machine, torch, NCCL and flags")
+    ap.add_argument("--png", metavar="PATH", help="write the figure")
+    ap.add_argument("--calibrate", metavar="PATH",
+                    help="GPUs: measure the model's constants here, write them to PATH and predict with them")
+    ap.add_argument("--timeout", type=float, default=1800, help="process group timeout (s)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no USDT line at each profiler start/stop
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    import torch
+    import torch.distributed as dist
+
+    import tide  # noqa: F401  registers the backend and fits TIDE into FSDP2
+
+    if "RANK" not in os.environ:
+        print("tide.bench.step runs under torchrun: torchrun --standalone --nproc-per-node 2 -m tide.bench.step",
+              file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(os.environ.get("TIDE_BENCH_THREADS", "1"))))
+    if args.tokens_per_gpu is None:
+        args.tokens_per_gpu = DEFAULT_TOKENS[device.type]
+    args.precision = args.precision or (["bf16"] if cuda else ["fp32", "bf16"])
+    if args.calibrate and not cuda:
+        print("tide.bench.step --calibrate: the step-time model is of NVIDIA GPUs; there is none here",
+              file=sys.stderr)
+        return 2
+    dist.init_process_group("tide", timeout=timedelta(seconds=args.timeout))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("TIDE_LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(ws))))
+    groups = _process_groups(device.type)
+    args.calibration = None
+    if args.calibrate:
+        args.calibration = measure_calibration(device, groups["baseline"])
+        if rank == 0:
+            with open(args.calibrate, "w") as f:
+                json.dump(args.calibration, f, indent=1)
+    from tide.machine import describe, line
+
+    machine = line(describe()) if rank == 0 else ""
+    variants = [Variant(impl, p == "bf16") for p in args.precision for impl in args.variants]
+    # One untimed step of the first variant first: what a process sets up once (the
+    # profiler, gloo's buffers, oneDNN's kernels, CUDA's context) is not the first variant's.
+    first = next((v for v in variants if v.impl != "best"), None)
+    if first is not None:
+        run_variant(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 0, "profile_steps": 1}),
+                    Variant(first.impl, first.bf16), groups, device)
+    results, labels = {}, {}
+    for v in variants:
+        labels[v.key] = v.label(groups["baseline_name"])
+        if v.impl == "best" and not cuda:
+            v.skipped = ("its knobs (symmetric memory, zero-CTA NCCL, a separate reduce-scatter group, "
+                         "several reduce-scatter buffers) are for CUDA devices")
+            results[v.key] = dict(skipped=v.skipped)
+            continue
+        if rank == 0:
+            print(f"running {labels[v.key]} ...", flush=True)
+        mine = run_variant(args, v, groups, device)
+        every = [None] * ws
+        dist.all_gather_object(every, mine, group=groups["meta"])
+        if rank == 0:
+            results[v.key] = summarize(every, args.tokens_per_gpu)
+            if v.missing_knobs:
+                results[v.key]["missing_knobs"] = v.missing_knobs
+    if rank == 0:
+        shape = wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)
+        name = wl.WORKLOADS[args.model](shape=shape).name
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else ""
+        report = dict(
+            run=dict(workload=name, shape=shape, params=wl.WORKLOADS[args.model](shape=shape).numel,
+                     world_size=ws, local_size=local, nodes=ws // local,
+                     device=f"cuda ({torch.cuda.get_device_name(device)})" if cuda else "cpu",
+                     torch=torch.__version__, nccl=nccl, machine=machine, host=platform.node(),
+                     tokens_per_gpu=args.tokens_per_gpu, seq_len=min(args.seq_len, args.tokens_per_gpu),
+                     activation_checkpointing=args.activation_checkpointing, warmup=args.warmup,
+                     steps=args.steps, profile_steps=args.profile_steps, precision=args.precision,
+                     argv=sys.argv[1:] if argv is None else list(argv),
+                     tide_env={k: v for k, v in os.environ.items() if k.startswith(("TIDE_", "NCCL_"))}),
+            labels=labels, results=results, paper=PAPER,
+            prediction=prediction(args, ws, local, torch.cuda.get_device_name(device) if cuda else ""),
+            calibration=args.calibration)
+        print(format_report(report), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+            print(f"json: {os.path.abspath(args.json)}")
+        if args.png:
+            write_png(report, args.png)
+            print(f"png: {os.path.abspath(args.png)}")
+    dist.barrier(group=groups["meta"])
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
