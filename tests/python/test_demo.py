@@ -144,7 +144,9 @@ def test_configure_is_quiet(tmp_path):
 
 def test_demo_end_to_end(tmp_path):
     """`python -m tide.demo` on two ranks for two steps: the machine line, the breakdown,
-    the bitwise-equal fp32 losses, the PNG, and none of torch's or kineto's noise."""
+    the losses of tide bitwise equal to stock FSDP2 on gloo in fp32 and in bf16 mixed
+    precision, ratios to stock in the same precision, the PNG, and none of torch's or
+    kineto's noise."""
     png = tmp_path / "demo.png"
     env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TIDE_DEBUG")}
     p = subprocess.run([sys.executable, "-m", "tide.demo", "--steps", "2", "--batch", "1",
@@ -153,15 +155,18 @@ def test_demo_end_to_end(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "machine: " in out and "torch CPU capability" in out and "bf16 matmul" in out, out
-    assert out.count("where the time goes") == 3 and "what TIDE changes:" in out, out
+    assert out.count("where the time goes") == 4 and "what TIDE changes:" in out, out
+    assert "ratio to stock FSDP2 on gloo in the same precision" in out, out
     assert "compute share" in out, out
     copies = next(line for line in out.splitlines() if "FSDP2 layout copies (ms/step)" in line)
     assert copies.count("0.0 (0.00x)") == 2, copies  # both tide columns copy nothing
     for noise in ("USDT", "No CUDA runtime", "Warning", "warn"):
         assert noise not in out, f"{noise!r} in the demo's output:\n{out}"
     losses = [line.split() for line in out.splitlines() if line.strip().startswith(("1 ", "2 "))
-              and len(line.split()) == 4]
-    assert len(losses) == 2 and all(row[1] == row[2] for row in losses), losses  # stock == tide fp32
+              and len(line.split()) == 5]
+    # columns: stock fp32, tide fp32, stock bf16, tide bf16
+    assert len(losses) == 2 and all(row[1] == row[2] and row[3] == row[4] for row in losses), losses
+    assert any(row[1] != row[3] for row in losses), losses  # bf16 is not fp32
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot: {png}" in out
 
