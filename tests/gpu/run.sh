@@ -9,7 +9,7 @@
 # Steps, most valuable first (a lease that ends early still returns the first ones): the
 # doctor (does the carried tide._C load, what the device offers), the FSDP2-on-CUDA pytest
 # (TIDE vs stock FSDP2, ranks sharing the GPU), the CUDA scenarios, the GoogleTest probe and
-# kernel tests, the benchmarks. Each runs under its own time limit, reports PASS / FAIL / SKIP
+# kernel tests, the benchmarks, the paper's experiment shrunk to one GPU. Each runs under its own time limit, reports PASS / FAIL / SKIP
 # with the reason and never stops the steps after it (no set -e). Strict by default
 # (TIDE_GPU_STRICT=1): on a GPU machine a check that could not run fails, naming itself and
 # why; the scenarios must also take the modes an H200 offers (device flags, batched copies,
@@ -21,6 +21,7 @@
 #   results.jsonl  one JSON line per result (pytest test, scenario, benchmark figure, step), flushed
 #   summary.txt    the steps' verdicts
 #   cuda_<gpu>.json  the benchmark's figures (docs/model.md's --calibrate keys)
+#   bench_step_ws2.json, bench_step_ws1.json, calibration.json  tide.bench.step's reports
 #
 # TIDE_DEBUG=1 during the run (every path choice and mode is logged), group timeouts shorter
 # than the kill of their step (a hang reports each rank's flags instead of dying silently).
@@ -133,7 +134,20 @@ bench() {
   gpu=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_-')
   "$carry/bin/tide_bench_cuda" "$out/cuda_${gpu:-gpu}.json" "$results"
 }
-export -f need doctor gpu_pytest selftest gtests bench json_line
+# The paper's experiment (python -m tide.bench.step) on the one GPU: TIDE and TIDE + Slot-Reuse
+# at ws 2 (two ranks share the GPU; NCCL refuses that, so no stock NCCL variant there), then
+# stock FSDP2 on NCCL and TIDE at ws 1 with --calibrate (the model's constants measured here).
+# No TIDE_DEBUG: its lines would be timed.
+bench_step() {
+  need "$TIDE_BUILD/python/tide" || return
+  local common=(--model llama3.1-70b --layers 2 --hidden-divisor 8 --tokens-per-gpu 2048 --seq-len 2048
+                --steps 3 --warmup 1)
+  TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m tide.bench.step "${common[@]}" \
+    --variants tide tide-slot-reuse --json "$out/bench_step_ws2.json" &&
+  TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m tide.bench.step "${common[@]}" \
+    --variants stock tide --calibrate "$out/calibration.json" --json "$out/bench_step_ws1.json"
+}
+export -f need doctor gpu_pytest selftest gtests bench bench_step json_line
 export carry out strict results
 
 if [ "$dry" = 1 ]; then
@@ -149,11 +163,13 @@ else
   echo "== tests/gpu/run.sh on $(hostname) at $(date -u +%FT%TZ), carry built from $(cat "$carry/commit" 2>/dev/null || echo '?'), strict $strict"
   json_line step start commit "$(cat "$carry/commit" 2>/dev/null || echo '?')" strict "$strict"
 fi
+# Limits: about twice what each step took on the H200 (2026-12-04: 19, 105, 15, 3, 4 s).
 step "doctor" 20 doctor
-step "pytest cuda" 200 gpu_pytest
-step "cuda scenarios" 100 selftest
+step "pytest cuda" 170 gpu_pytest
+step "cuda scenarios" 60 selftest
 step "gtest probe and kernels" 30 gtests
-step "benchmarks" 60 bench
+step "benchmarks" 30 bench
+step "bench step" 90 bench_step
 if [ "$dry" = 1 ]; then
   echo "sum of all limits: $planned s (with ${grace} s grace a step; the command's timeout_s is $device_timeout; 15 min of device time in all)"
   exit 0
