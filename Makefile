@@ -12,12 +12,14 @@ JOBS ?= $(shell nproc)
 ENV := scripts/env
 COMPAT_TORCH ?= 2.11.0
 # The Python suites that must hold on every supported torch (the FSDP2 seams move; real
-# model code, checkpoints and compile go through them; the demo reads FSDP2's profiler ranges).
+# model code, checkpoints and compile go through them; the demo and tide.bench.step read FSDP2's
+# profiler ranges; the GPU machine runs tide.bench.step on torch 2.11).
 COMPAT_SUITES := tests/python/test_backend_ops.py tests/python/test_backend_failures.py \
 	tests/python/test_fsdp_zero_copy.py tests/python/test_fsdp_install.py tests/python/test_fsdp_seams.py \
 	tests/python/test_pseudo_nodes.py tests/python/test_hosts.py tests/python/test_demo.py \
 	tests/python/test_real_models.py tests/python/test_checkpoint.py tests/python/test_fsdp_features.py \
-	tests/python/test_fsdp_shapes.py tests/python/test_imports.py tests/python/test_examples.py
+	tests/python/test_fsdp_shapes.py tests/python/test_imports.py tests/python/test_examples.py \
+	tests/python/test_bench_step.py
 CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null
 
 .PHONY: all build build-asan test test-cpp test-asan test-python test-compat demo bench clean

@@ -44,9 +44,10 @@ PAPER = step_model.PAPER
 IMPLS = ("stock", "best", "tide", "tide-slot-reuse")
 IMPL_LABEL = {"stock": "stock FSDP2", "best": "FSDP2 best-configured", "tide": "TIDE",
               "tide-slot-reuse": "TIDE + Slot-Reuse"}
-# CPU runs default to a small batch: the paper's 8192 tokens per GPU would make a step of a
-# 2-layer model take seconds of compute on one core and hide what the collectives cost.
-DEFAULT_TOKENS = {"cuda": 8192, "cpu": 128}
+# Tokens per GPU: on GPUs the step-time model's (the paper's 8K for the decoders, one
+# 81-frame 480x832 clip for the DiT); on CPUs a small batch: a core computes about a
+# thousand times slower than an H200, so 8K tokens would bury what the collectives cost.
+DEFAULT_TOKENS = {"llama3.1-70b": 8192, "qwen3-30b-a3b": 8192, "wan2.2-14b": 32760, "cpu": 128}
 DEFAULT_SEQ = 8192
 
 
@@ -501,7 +502,8 @@ def parse_args(argv=None):
     ap.add_argument("--hidden-divisor", type=int, default=1,
                     help="divides the widths (hidden, FFN, vocabulary, experts' FFN, text); keeps the head dimension")
     ap.add_argument("--tokens-per-gpu", type=int, default=None,
-                    help=f"default {DEFAULT_TOKENS['cuda']} on GPUs (the paper's), {DEFAULT_TOKENS['cpu']} on CPUs")
+                    help=f"default on GPUs the step-time model's (8192; 32760 for the DiT), "
+                         f"{DEFAULT_TOKENS['cpu']} on CPUs")
     ap.add_argument("--seq-len", type=int, default=DEFAULT_SEQ, help="sequence length (at most tokens per GPU)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=2)
@@ -544,7 +546,7 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, int(os.environ.get("TIDE_BENCH_THREADS", "1"))))
     if args.tokens_per_gpu is None:
-        args.tokens_per_gpu = DEFAULT_TOKENS[device.type]
+        args.tokens_per_gpu = DEFAULT_TOKENS[args.model if cuda else "cpu"]
     args.precision = args.precision or (["bf16"] if cuda else ["fp32", "bf16"])
     if args.calibrate and not cuda:
         print("tide.bench.step --calibrate: the step-time model is of NVIDIA GPUs; there is none here",
