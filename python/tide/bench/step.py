@@ -31,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from . import model as step_model
@@ -274,7 +274,7 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
                 g["layout_copies_ms"] = copies / 1e3
                 gpu.append(g)
         paths = {k: tide.fsdp.stats[k] - stats_before[k] for k in tide.fsdp.stats}
-        del model, opt
+        model = opt = None  # freed before the next variant builds its own
         gc.collect()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -358,7 +358,7 @@ def prediction(args, world_size: int, local_size: int, device_name: str) -> dict
 def measure_calibration(device, baseline_group) -> dict:
     """What this GPU measures of the model's constants: a large bf16 GEMM's rate, a
     device-to-device copy's bytes read + written per second, the SMs, the GPUs per node, and
-    NCCL's all-gather bus bandwidth inside the node where the group is one node."""
+    NCCL's all-gather bus bandwidth inside a node (over each node's GPUs)."""
     import torch
     import torch.distributed as dist
 
@@ -381,12 +381,15 @@ def measure_calibration(device, baseline_group) -> dict:
                hbm_copy_GBps=2 * src.numel() / copy_s / 1e9,
                sm_count=torch.cuda.get_device_properties(device).multi_processor_count,
                gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    ws = dist.get_world_size(baseline_group)
-    if 1 < ws == out["gpus_per_node"]:
+    local = out["gpus_per_node"]
+    if local > 1 and dist.get_world_size(baseline_group) % local == 0:
+        # Within each node: the group itself on one node, else one NCCL group per node.
+        node = (baseline_group if dist.get_world_size(baseline_group) == local
+                else dist.new_subgroups(local, backend="nccl")[0])
         shard = torch.empty(1 << 26, dtype=torch.bfloat16, device=device)
-        full = torch.empty(shard.numel() * ws, dtype=torch.bfloat16, device=device)
-        ag_s = timed(lambda: dist.all_gather_into_tensor(full, shard, group=baseline_group), reps=5)
-        out["nvlink_GBps"] = full.numel() * 2 * (ws - 1) / ws / ag_s / 1e9
+        full = torch.empty(shard.numel() * local, dtype=torch.bfloat16, device=device)
+        ag_s = timed(lambda: dist.all_gather_into_tensor(full, shard, group=node), reps=5)
+        out["nvlink_GBps"] = full.numel() * 2 * (local - 1) / local / ag_s / 1e9
     return out
 
 
@@ -518,6 +521,7 @@ def parse_args(argv=None):
     ap.add_argument("--calibrate", metavar="PATH",
                     help="GPUs: measure the model's constants here, write them to PATH and predict with them")
     ap.add_argument("--timeout", type=float, default=1800, help="process group timeout (s)")
+    ap.add_argument("--cpu-threads", type=int, default=1, help="CPU: torch's threads per rank")
     return ap.parse_args(argv)
 
 
@@ -544,7 +548,7 @@ def main(argv=None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, int(os.environ.get("TIDE_BENCH_THREADS", "1"))))
+        torch.set_num_threads(args.cpu_threads)
     if args.tokens_per_gpu is None:
         args.tokens_per_gpu = DEFAULT_TOKENS[args.model if cuda else "cpu"]
     args.precision = args.precision or (["bf16"] if cuda else ["fp32", "bf16"])
