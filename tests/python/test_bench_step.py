@@ -127,3 +127,34 @@ def test_calibrate_needs_a_gpu(tmp_path):
     p = subprocess.run([sys.executable, "-m", "tide.bench.step", "--calibrate", str(tmp_path / "c.json")],
                        env=env, capture_output=True, text=True, timeout=slack(60))
     assert p.returncode == 2 and "the step-time model is of NVIDIA GPUs" in p.stderr, p.stderr
+
+
+def test_gpu_trace_account_by_hand(tmp_path):
+    """The GPU report's exposed communication and SMs from a trace (the profiler's chrome
+    trace, written by hand here): communication is NCCL's and TIDE's kernels and device
+    copies off the compute stream; what overlaps a compute kernel is hidden."""
+    from tide.bench.step import _gpu_profile
+
+    def kernel(name, ts, dur, tid, grid=(1, 1, 1)):
+        return dict(cat="kernel", name=name, ts=ts, dur=dur, tid=tid, args=dict(grid=list(grid)))
+
+    events = [kernel("sm90_gemm", 0, 100, 7, (132, 1, 1)), kernel("sm90_gemm", 150, 50, 7, (132, 1, 1)),
+              kernel("ncclDevKernel_ReduceScatter_Sum_f32", 90, 70, 20, (16, 1, 1)),
+              kernel("void tide::cuda::(anonymous namespace)::accumulate_kernel<float>", 500, 10, 21, (200, 1, 1)),
+              dict(cat="gpu_memcpy", name="Memcpy PtoP (Device -> Device)", ts=300, dur=50, tid=30),
+              dict(cat="gpu_memcpy", name="Memcpy DtoD (Device -> Device)", ts=400, dur=10, tid=7),
+              dict(cat="cpu_op", name="aten::mm", ts=0, dur=1000, tid=1)]
+
+    class Trace:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump(dict(traceEvents=events), f)
+
+    g = _gpu_profile(Trace(), sm_count=132)
+    # NCCL's 70 us less the 20 us under GEMMs, the peer copy's 50, TIDE's kernel's 10.
+    assert g["exposed_comm_ms"] == pytest.approx((50 + 50 + 10) / 1e3)
+    assert g["comm_sms"] == 132  # TIDE's kernel asked for 200 blocks: at most every SM
+    ks = g["comm_kernels"]
+    assert ks["ncclDevKernel_ReduceScatter_Sum_f32"] == dict(count=1, sms=16, copy_engine=False)
+    assert ks["Memcpy PtoP (Device -> Device)"] == dict(count=1, sms=0, copy_engine=True)
+    assert "Memcpy DtoD (Device -> Device)" not in ks  # on the compute stream: not a collective's

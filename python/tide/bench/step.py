@@ -173,29 +173,34 @@ def _peak_bytes(device, base: int) -> int:
 
 
 def _gpu_profile(prof, sm_count: int) -> dict:
-    """From a profiled step's trace: the collectives' kernels (NCCL's and TIDE's) and copy-engine
-    transfers, the SMs their kernels asked for (grid blocks, at most the GPU's SMs), and the
+    """From a profiled step's trace: the collectives' kernels (NCCL's and TIDE's, by name)
+    and copy-engine transfers (device copies off the compute stream: TIDE-AG's, symmetric
+    memory's), the SMs their kernels asked for (grid blocks, at most the GPU's SMs), and the
     exposed communication: the time communication runs while no other kernel does."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as t:
-            events = json.load(t).get("traceEvents", [])
+            events = [ev for ev in json.load(t).get("traceEvents", [])
+                      if ev.get("cat") in ("kernel", "gpu_memcpy") and "dur" in ev]
+    kernel_us: dict = {}
+    for ev in events:
+        if ev["cat"] == "kernel":
+            kernel_us[ev.get("tid")] = kernel_us.get(ev.get("tid"), 0.0) + float(ev["dur"])
+    compute_stream = max(kernel_us, key=kernel_us.get) if kernel_us else None
     comm, compute, kernels = [], [], {}
     for ev in events:
-        cat, name = ev.get("cat", ""), ev.get("name", "")
-        if cat not in ("kernel", "gpu_memcpy") or "dur" not in ev:
-            continue
+        name = ev.get("name", "")
         span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
-        is_comm = cat == "gpu_memcpy" and "PtoP" in name or "nccl" in name.lower() or "tide" in name.lower()
+        copy = ev["cat"] == "gpu_memcpy"
+        is_comm = (copy and ev.get("tid") != compute_stream) or "nccl" in name.lower() or "tide" in name.lower()
         (comm if is_comm else compute).append(span)
         if is_comm:
-            grid = ev.get("args", {}).get("grid", [0])
             blocks = 1
-            for g in grid:
+            for g in ev.get("args", {}).get("grid", [0]):
                 blocks *= int(g)
-            k = kernels.setdefault(name[:60], dict(count=0, sms=0, copy_engine=cat == "gpu_memcpy"))
+            k = kernels.setdefault(name[:60], dict(count=0, sms=0, copy_engine=copy))
             k["count"] += 1
-            k["sms"] = max(k["sms"], 0 if cat == "gpu_memcpy" else min(blocks, sm_count))
+            k["sms"] = max(k["sms"], 0 if copy else min(blocks, sm_count))
 
     def union(spans):
         out = []
