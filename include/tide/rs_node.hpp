@@ -58,6 +58,14 @@ class RsNode {
   // A buffer of `bytes` in the memory the engine moves (node partials), freed when its last
   // owner lets go, after the work enqueued before that.
   virtual std::shared_ptr<std::byte> scratch(size_t bytes) = 0;
+  // The node partials of one reduce-scatter (across nodes): `bytes` of scratch whose bytes
+  // are all initialized (no uninitialized memory goes on the wire through the gaps between
+  // partials): zeroed scratch here; the host keeps one buffer, zeroed once, across calls.
+  virtual std::shared_ptr<std::byte> partials(size_t bytes) {
+    std::shared_ptr<std::byte> p = scratch(bytes);
+    zero(p.get(), bytes);
+    return p;
+  }
 };
 
 // TIDE-RS (arguments checked and agreed by the caller): a two-phase pipeline over windows

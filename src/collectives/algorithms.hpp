@@ -25,6 +25,10 @@ struct Ctx {
   const uint64_t first;                     // where the counters started
   uint64_t step;                            // the current (last begun) pipeline step
   std::vector<uint64_t> sent, received;     // p2p chunks per peer (send_recv.cpp)
+  // TIDE-RS's node partials across nodes (host_rs_node.cpp), kept from call to call: a fresh
+  // buffer each call cost its page faults and zeroing at every reduce-scatter.
+  std::shared_ptr<std::byte> partials;
+  size_t partial_bytes = 0;
 
   explicit Ctx(Transport& transport)
       : t(transport), first(transport.counter_start()), step(first),

@@ -36,6 +36,16 @@ class HostRsNode final : public RsNode {
   std::shared_ptr<std::byte> scratch(size_t bytes) override {
     return std::shared_ptr<std::byte>(new std::byte[bytes], std::default_delete<std::byte[]>());
   }
+  // One buffer per communicator, zeroed when it is made and reused while it is large enough
+  // and nothing else holds it (an engine that abandoned an exchange keeps its buffer alive).
+  std::shared_ptr<std::byte> partials(size_t bytes) override {
+    if (!c_.partials || c_.partial_bytes < bytes || c_.partials.use_count() > 1) {
+      c_.partials.reset();
+      c_.partials = std::shared_ptr<std::byte>(new std::byte[bytes](), std::default_delete<std::byte[]>());
+      c_.partial_bytes = bytes;
+    }
+    return c_.partials;
+  }
 
  private:
   void wait_peers(Flag flag, uint64_t step) {

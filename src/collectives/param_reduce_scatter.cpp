@@ -133,10 +133,7 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
   const size_t windows_in_flight = one_node ? 0 : std::min<size_t>(2, pipe.chunks.size());
   report.partial_bytes = windows_in_flight * 2 * static_cast<size_t>(N) * part_bytes;
   std::shared_ptr<std::byte> partials;
-  if (report.partial_bytes) {
-    partials = node.scratch(report.partial_bytes);
-    node.zero(partials.get(), report.partial_bytes);  // no stale bytes in the gaps that are sent
-  }
+  if (report.partial_bytes) partials = node.partials(report.partial_bytes);
   auto partial = [&](size_t window, int of_node) {
     return partials.get() + ((window % 2) * 2 * static_cast<size_t>(N) + static_cast<size_t>(of_node)) * part_bytes;
   };

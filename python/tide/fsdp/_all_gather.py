@@ -13,6 +13,7 @@ from ._paths import count, device_index, debug, tide_backend, took_stock_path, w
 from ._record import record
 from ._seams import originals
 from ._state import group_states
+from ._storage import HostPool
 
 
 @dataclass
@@ -99,15 +100,33 @@ def all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gath
 
 def _alloc_storages(fsdp_params, dtypes, numels, ws, device, backend, stream):
     """Each parameter's unsharded storage, as FSDP2 sizes it; from the CUDA pool where the
-    group has one (Slot-Reuse), the block's pending events waited for on `stream`. None
-    where the pool is full across nodes."""
+    group has one (Slot-Reuse), the block's pending events waited for on `stream`, or from
+    the host pool across nodes (all of the call's storages from one pool). None where the
+    CUDA pool is full across nodes."""
     storages = []
     for fp, dtype, numel in zip(fsdp_params, dtypes, numels):
         fp.init_all_gather_outputs(numel, dtype, ws, device)
+    # Across nodes on the host: every storage of the call from one pool (HostPool), at once.
+    host_blocks = {}
+    on_host_pool = [fp for fp in fsdp_params
+                    if isinstance(record(fp).state.pool, HostPool) and record(fp).pool_block is None]
+    if on_host_pool:
+        sizes = [fp.all_gather_outputs[0].numel() * fp.all_gather_outputs[0].element_size()
+                 for fp in on_host_pool]
+        host, offsets = record(on_host_pool[0]).state.pool.alloc_all(sizes)
+        host_blocks = {id(fp): (host, off) for fp, off in zip(on_host_pool, offsets)}
+    for fp in fsdp_params:
         storage = fp.all_gather_outputs[0]
         rec = record(fp)
         got = None
         pool = rec.state.pool
+        if id(fp) in host_blocks:
+            pool, offset = host_blocks[id(fp)]
+            nbytes = storage.numel() * storage.element_size()
+            _C.point_storage(storage, pool.memory, pool.rank, offset, nbytes)
+            rec.pool_block = (pool, offset, nbytes)
+            storages.append(storage)
+            continue
         if pool is not None and rec.pool_block is None:
             nbytes = storage.numel() * storage.element_size()
             got = pool.alloc(nbytes)
@@ -138,13 +157,16 @@ def free_unsharded_param(self):
         storage = self.all_gather_outputs[0] if self.all_gather_outputs else None
         if storage is not None and storage.data_ptr() == pool.base + offset:
             # Back to the pool, in stream order: the next user waits for this event.
-            event = torch.cuda.current_stream(storage.device).record_event()
+            # On the host the all-gather and its readers are done (CPU ops are synchronous).
+            event = (torch.cuda.current_stream(storage.device).record_event() if storage.is_cuda
+                     else None)
             _C.point_storage(storage, pool.memory, pool.rank, 0, 0)
             pool.release(offset, nbytes, event)
             return
         # The storage moved on without us (the seams were uninstalled meanwhile, or FSDP2
         # recreated it): the block is free once the current stream is past this point.
-        pool.release(offset, nbytes, torch.cuda.current_stream().record_event())
+        pool.release(offset, nbytes, torch.cuda.current_stream().record_event()
+                     if pool.memory.device != "cpu" else None)
     if rec.storage_region is None or not self.all_gather_outputs:
         if rec.on_all_gather_stream:
             for tensor in self.all_gather_outputs:

@@ -12,7 +12,7 @@ import torch
 from .. import _C
 from ._paths import debug, device_index
 from ._record import record
-from ._storage import cuda_pool, home_unsharded_storages
+from ._storage import cuda_pool, home_unsharded_storages, host_pool
 
 _ALIGN = 256  # byte alignment of each shard in symmetric memory (16-byte vector loads, cudaMalloc's)
 
@@ -33,7 +33,8 @@ class GroupState:
     storage: object = None
     storage_regions: list = None  # (offset, bytes) per parameter, page-aligned
     # CUDA with Slot-Reuse: the pool (shared by the groups of one process group and device)
-    # that the unsharded storages and the reduce-scatter staging come from.
+    # that the unsharded storages and the reduce-scatter staging come from; on the host
+    # across nodes, the HostPool (_storage.py) the unsharded storages come from.
     pool: object = None
 
     def params(self):
@@ -106,6 +107,11 @@ def _group_state(fsdp_params, group, backend, device):
         # vacated ones can hold the reduce-scatter's staging, and, across nodes, so that
         # the node's peers can read them.
         state.pool = cuda_pool(backend, device, sum(state.unsharded_bytes()))
+    elif across_nodes and homeable and not slot_reuse:
+        # Node peers read the storages: they come from a node-symmetric pool that keeps its
+        # pages (a home whose pages go back at each reshard costs page faults at each
+        # unshard); the reduce-scatter stages in the node communicator's own slots.
+        state.pool = host_pool(backend, sum(state.unsharded_bytes()))
     elif (slot_reuse or across_nodes) and homeable:
         state.storage, state.storage_regions = home_unsharded_storages(state, group, backend)
         for fp, region in zip(fsdp_params, state.storage_regions):
