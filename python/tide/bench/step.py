@@ -453,8 +453,8 @@ def format_report(report: dict) -> str:
         s = pred["step_ms"]
         lines.append("")
         lines.append(f"step-time model ({pred['hardware']}, {pred['world_size']} GPUs, {pred['gpus_per_node']} per "
-                     f"node, this workload and batch): stock {s['stock']:.1f} ms, FSDP2+SymmMem {s['symm']:.1f} ms, "
-                     f"TIDE {s['tide']:.1f} ms ({pred['tide_vs_stock_pct']:+.1f}% vs stock, "
+                     f"node, this workload and batch): stock {s['stock']:.3g} ms, FSDP2+SymmMem {s['symm']:.3g} ms, "
+                     f"TIDE {s['tide']:.3g} ms ({pred['tide_vs_stock_pct']:+.1f}% vs stock, "
                      f"{pred['tide_vs_symm_pct']:+.1f}% vs SymmMem)"
                      + ("" if run["device"].startswith("cuda") else
                         "; a model of NVIDIA GPUs, not of this CPU: for scale only"))
