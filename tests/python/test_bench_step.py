@@ -65,7 +65,8 @@ def _bench(tmp_path, nproc, args, env_extra=None, timeout=240):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDE_")}
     env.update(env_extra or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "tide.bench.step", "--steps", "2", "--warmup", "1", "--json", str(out), "--png", str(png), *args]
+           "-m", "tide.bench.step", "--device", "cpu", "--steps", "2", "--warmup", "1", "--json", str(out),
+           "--png", str(png), *args]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=slack(timeout))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -158,3 +159,18 @@ def test_gpu_trace_account_by_hand(tmp_path):
     assert ks["ncclDevKernel_ReduceScatter_Sum_f32"] == dict(count=1, sms=16, copy_engine=False)
     assert ks["Memcpy PtoP (Device -> Device)"] == dict(count=1, sms=0, copy_engine=True)
     assert "Memcpy DtoD (Device -> Device)" not in ks  # on the compute stream: not a collective's
+
+
+def test_uncovered_time_against_a_unit_grid():
+    """The exposed-time sweep against counting unit cells, on random overlapping spans."""
+    import random
+
+    from tide.bench.step import _uncovered_us
+
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = [(a, a + rng.randint(1, 15)) for a in (rng.randint(0, 60) for _ in range(rng.randint(0, 8)))]
+        cover = [(a, a + rng.randint(1, 15)) for a in (rng.randint(0, 60) for _ in range(rng.randint(0, 8)))]
+        cells = sum(1 for t in range(80) if any(a <= t < b for a, b in spans)
+                    and not any(a <= t < b for a, b in cover))
+        assert _uncovered_us(spans, cover) == cells, (spans, cover)

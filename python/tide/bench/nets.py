@@ -270,13 +270,16 @@ BUILDERS = {"llama3.1-70b": llama, "qwen3-30b-a3b": qwen3_moe, "wan2.2-14b": wan
 @torch.no_grad()
 def init_weights(model: nn.Module, rank: int, seed: int = 0):
     """Fills every rank's shards after fully_shard and to_empty: norms' weights 1, every
-    other parameter N(0, 0.02) from a generator seeded by (seed, its name, the rank), so
-    runs of the same model at the same world size start from the same weights whatever the
+    other parameter N(0, 0.02) from a generator on the shard's device seeded by (seed, its
+    name without the activation checkpointing wrapper's part, the rank), so runs of the same
+    model at the same world size on the same device start from the same weights whatever the
     backend, without the full model on any rank."""
     for name, p in model.named_parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
+        name = name.replace("_checkpoint_wrapped_module.", "")
         if "norm" in name and name.endswith("weight"):
             local.fill_(1.0)
             continue
-        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * rank)
-        local.copy_(torch.randn(local.shape, generator=g) * 0.02)
+        g = torch.Generator(device=local.device)
+        g.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()) + 7919 * rank)
+        local.normal_(0.0, 0.02, generator=g)

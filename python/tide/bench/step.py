@@ -81,30 +81,62 @@ def _process_groups(device_type: str):
                 meta=dist.new_group(backend="gloo"), baseline_name=baseline)
 
 
-def _best_group(variant: Variant):
-    """The zero-CTA NCCL group (torch >= 2.13 has the policy), or the default NCCL options."""
+def _best_groups(variant: Variant) -> dict:
+    """The best-configured variant's NCCL groups: FSDP2's (zero-CTA, so symmetric-memory
+    all-gathers go to the copy engines, where the torch has the policy) and its separate
+    reduce-scatter group (default options). Both NCCL: FSDP2's own
+    set_separate_reduce_scatter_group would create the default backend's, here tide."""
     import torch.distributed as dist
 
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is not None and hasattr(nccl, "NCCL_CTA_POLICY_ZERO"):
+    nccl = dist.ProcessGroupNCCL
+    if hasattr(nccl, "NCCL_CTA_POLICY_ZERO"):
         opts = nccl.Options()
         opts.config.cta_policy = nccl.NCCL_CTA_POLICY_ZERO
-        return dist.new_group(backend="nccl", pg_options=opts)
-    variant.missing_knobs.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
-    return dist.new_group(backend="nccl")
+        fsdp = dist.new_group(backend="nccl", pg_options=opts)
+    else:
+        variant.missing_knobs.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
+        fsdp = dist.new_group(backend="nccl")
+    return dict(best=fsdp, best_rs=dist.new_group(backend="nccl"))
 
 
-def _configure_best(model, variant: Variant):
-    """FSDP2's own knobs, each where this torch has it."""
-    knobs = [("set_symm_mem_for_comm", (), "symmetric memory for FSDP2's collectives"),
-             ("set_force_sum_reduction_for_comms", (True,), "force-sum reduction"),
-             ("set_separate_reduce_scatter_group", (), "a separate reduce-scatter group"),
-             ("set_reduce_scatter_max_input_buffers", (2,), "two reduce-scatter input buffers")]
-    for method, args, what in knobs:
-        if hasattr(model, method):
-            getattr(model, method)(*args)
-        else:
-            variant.missing_knobs.append(f"{what} (FSDPModule.{method})")
+def _configure_best(model, variant: Variant, rs_group):
+    """FSDP2's own knobs, each where this torch has it, in the order they depend on each
+    other: the separate reduce-scatter group and force-sum first (symmetric memory takes
+    the reduce-scatter only with force-sum on, on the group it sees then), symmetric memory,
+    then the reduce-scatter input buffers. Several knobs act on one module's groups only:
+    every FSDP module gets them."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def each(method, *args):
+        for m in modules:
+            getattr(m, method)(*args)
+
+    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    if groups and hasattr(groups[0], "_set_separate_reduce_scatter_group"):
+        ranks = tuple(dist.get_process_group_ranks(rs_group))
+        for g in groups:  # FSDP2's own method, given our NCCL group for these ranks
+            g._set_separate_reduce_scatter_group(True, {ranks: rs_group})
+    else:
+        variant.missing_knobs.append("a separate reduce-scatter group (FSDPModule.set_separate_reduce_scatter_group)")
+    if hasattr(model, "set_force_sum_reduction_for_comms"):
+        each("set_force_sum_reduction_for_comms", True)
+    else:
+        variant.missing_knobs.append("force-sum reduction (FSDPModule.set_force_sum_reduction_for_comms)")
+    if hasattr(model, "set_symm_mem_for_comm"):
+        each("set_symm_mem_for_comm")
+    elif hasattr(model, "set_allocate_memory_from_process_group_for_comm"):
+        variant.missing_knobs.append("symmetric memory (FSDPModule.set_symm_mem_for_comm): NCCL's allocator "
+                                     "for the staging buffers instead")
+        each("set_allocate_memory_from_process_group_for_comm", True)
+    else:
+        variant.missing_knobs.append("symmetric memory (FSDPModule.set_symm_mem_for_comm)")
+    if hasattr(model, "set_reduce_scatter_max_input_buffers"):
+        model.set_reduce_scatter_max_input_buffers(2)  # recurses
+    else:
+        variant.missing_knobs.append("two reduce-scatter input buffers (FSDPModule.set_reduce_scatter_max_input_buffers)")
 
 
 def _build(args, variant: Variant, groups, device):
@@ -131,7 +163,7 @@ def _build(args, variant: Variant, groups, device):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if variant.impl == "best":
-        _configure_best(model, variant)
+        _configure_best(model, variant, groups["best_rs"])
     model.to_empty(device=device)
     nets.init_weights(model, group.rank(), seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
@@ -172,6 +204,15 @@ def _peak_bytes(device, base: int) -> int:
     return _rss_kib("VmHWM") * 1024 - base
 
 
+def _device_used(device) -> int:
+    """GPU memory in use on the device (cudaMemGetInfo): unlike the allocator's figures it
+    counts TIDE's symmetric memory (cuMemCreate / cudaMalloc) and NCCL's buffers too."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
 def _gpu_profile(prof, sm_count: int) -> dict:
     """From a profiled step's trace: the collectives' kernels (NCCL's and TIDE's, by name)
     and copy-engine transfers (device copies off the compute stream: TIDE-AG's, symmetric
@@ -182,42 +223,56 @@ def _gpu_profile(prof, sm_count: int) -> dict:
         with open(f.name) as t:
             events = [ev for ev in json.load(t).get("traceEvents", [])
                       if ev.get("cat") in ("kernel", "gpu_memcpy") and "dur" in ev]
-    kernel_us: dict = {}
+
+    def named_comm(ev):
+        name = ev.get("name", "").lower()
+        return "nccl" in name or "tide" in name
+
+    kernel_us: dict = {}  # the compute stream: most time in kernels that are not collectives'
     for ev in events:
-        if ev["cat"] == "kernel":
+        if ev["cat"] == "kernel" and not named_comm(ev):
             kernel_us[ev.get("tid")] = kernel_us.get(ev.get("tid"), 0.0) + float(ev["dur"])
     compute_stream = max(kernel_us, key=kernel_us.get) if kernel_us else None
     comm, compute, kernels = [], [], {}
     for ev in events:
-        name = ev.get("name", "")
         span = (float(ev["ts"]), float(ev["ts"]) + float(ev["dur"]))
         copy = ev["cat"] == "gpu_memcpy"
-        is_comm = (copy and ev.get("tid") != compute_stream) or "nccl" in name.lower() or "tide" in name.lower()
+        is_comm = (copy and ev.get("tid") != compute_stream) or named_comm(ev)
         (comm if is_comm else compute).append(span)
         if is_comm:
             blocks = 1
             for g in ev.get("args", {}).get("grid", [0]):
                 blocks *= int(g)
-            k = kernels.setdefault(name[:60], dict(count=0, sms=0, copy_engine=copy))
+            k = kernels.setdefault(ev.get("name", "")[:60], dict(count=0, sms=0, copy_engine=copy))
             k["count"] += 1
             k["sms"] = max(k["sms"], 0 if copy else min(blocks, sm_count))
-
-    def union(spans):
-        out = []
-        for a, b in sorted(spans):
-            if out and a <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], b)
-            else:
-                out.append([a, b])
-        return out
-
-    busy = union(compute)
-    exposed = 0.0
-    for a, b in union(comm):
-        covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
-        exposed += (b - a) - covered
-    return dict(exposed_comm_ms=exposed / 1e3, comm_kernels=kernels,
+    return dict(exposed_comm_ms=_uncovered_us(comm, compute) / 1e3, comm_kernels=kernels,
                 comm_sms=max((k["sms"] for k in kernels.values()), default=0))
+
+
+def _union(spans):
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _uncovered_us(spans, cover) -> float:
+    """The time in the union of `spans` that the union of `cover` leaves free (one sweep)."""
+    free, covered, j = 0.0, _union(cover), 0
+    for a, b in _union(spans):
+        while j < len(covered) and covered[j][1] <= a:
+            j += 1
+        t, k = a, j
+        while k < len(covered) and covered[k][0] < b:
+            free += max(0.0, covered[k][0] - t)
+            t = max(t, covered[k][1])
+            k += 1
+        free += max(0.0, b - t)
+    return free
 
 
 def run_variant(args, variant: Variant, groups, device) -> dict:
@@ -234,8 +289,10 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
     stats_before = dict(tide.fsdp.stats)
     try:
         if variant.impl == "best":
-            groups["best"] = _best_group(variant)
+            groups.update(_best_groups(variant))
         base = _reset_peak(device)
+        used_before = _device_used(device) if device.type == "cuda" else 0
+        used_growth = 0
         model, opt = _build(args, variant, groups, device)
         rank = dist.get_rank()
         tokens, seq = args.tokens_per_gpu, min(args.seq_len, args.tokens_per_gpu)
@@ -261,6 +318,8 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
             losses.append(loss.item())
             if i >= args.warmup:
                 step_ms.append(elapsed)
+            if device.type == "cuda":
+                used_growth = max(used_growth, _device_used(device) - used_before)
         peak = _peak_bytes(device, base)
         records, gpu = [], []
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -285,7 +344,7 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
             torch.cuda.synchronize(device)
             tide.fsdp.release_cuda_pools()
             torch.cuda.empty_cache()
-        return dict(step_ms=step_ms, losses=losses, peak_bytes=peak, records=records,
+        return dict(step_ms=step_ms, losses=losses, peak_bytes=peak, device_used_growth=used_growth, records=records,
                     profiled_ms=profiled_ms, gpu=gpu, paths=paths)
     finally:
         if old_reuse is None:
@@ -314,6 +373,7 @@ def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
                tokens_per_s=tokens_per_gpu * ws / (median / 1e3),
                breakdown=mean,
                peak_bytes=max(r["peak_bytes"] for r in ranks),
+               device_used_growth=max(r["device_used_growth"] for r in ranks),
                losses=[statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
                paths=ranks[0]["paths"])
     if ranks[0]["gpu"]:
@@ -412,7 +472,9 @@ def format_report(report: dict) -> str:
              f"{run['world_size']} ranks ({run['nodes']} node{'s' if run['nodes'] > 1 else ''} x "
              f"{run['local_size']}), {run['device']}, torch {run['torch']}"
              + (f", NCCL {run['nccl']}" if run.get("nccl") else ""),
-             f"  {run['tokens_per_gpu']} tokens per rank (sequences of {run['seq_len']}), "
+             f"  {run['tokens_per_gpu']} tokens per rank ("
+             + ("one clip: every token attends to all of them" if run["workload"].startswith("wan")
+                else f"sequences of {run['seq_len']}") + "), "
              f"activation checkpointing {'on' if run['activation_checkpointing'] else 'off'}, "
              f"AdamW, {run['warmup']} warm-up + {run['steps']} timed + {run['profile_steps']} profiled steps",
              f"  {run['machine']}", ""]
@@ -434,10 +496,14 @@ def format_report(report: dict) -> str:
     lines.append("")
     lines.append("step: the slowest rank's, per timed step; exposed comm and layout copies (ms per step)"
                  " from the profiled steps, mean over ranks; peak memory: "
-                 + ("the CUDA allocator's peak, largest rank" if run["device"].startswith("cuda")
+                 + ("the CUDA allocator's peak, largest rank (it does not see TIDE's symmetric memory)"
+                    if run["device"].startswith("cuda")
                     else "growth of the peak resident set over the variant, largest rank"))
     gpu_rows = [(k, r) for k, r in results.items() if "gpu" in r]
     if gpu_rows:
+        lines.append("device memory in use, growth over the variant at step ends (cudaMemGetInfo: TIDE's "
+                     "symmetric memory and NCCL's buffers included), largest rank: "
+                     + ", ".join(f"{report['labels'][k]} {_fmt_bytes(r['device_used_growth'])}" for k, r in gpu_rows))
         lines.append("collectives' kernels (profiler; SMs = grid blocks, at most the GPU's):")
         for key, res in gpu_rows:
             ks = ", ".join(f"{n} x{k['count']} ({'copy engine' if k['copy_engine'] else str(k['sms']) + ' SMs'})"
@@ -475,9 +541,19 @@ def write_png(report: dict, path: str):
     parts = ("compute", "exposed communication", "waiting for a slower peer", "layout copies", "optimizer")
     colors = ("#9aa5b1", "#2b6cb0", "#a3bffa", "#e53e3e", "#68d391")
     fig, (ax, mem) = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw=dict(width_ratios=[3, 1.3]))
+    def part_ms(r, part):
+        if "gpu" not in r:
+            return r["breakdown"].get(part, 0.0)
+        # GPU: FSDP2's ranges time the launches, not the kernels: the trace's figures, the
+        # rest of the profiled step as compute
+        g = r["gpu"]
+        rest = max(0.0, r["breakdown"].get("step", 0.0) - g["exposed_comm_ms"] - g["layout_copies_ms"])
+        return {"compute": rest, "exposed communication": g["exposed_comm_ms"],
+                "layout copies": g["layout_copies_ms"]}.get(part, 0.0)
+
     bottom = [0.0] * len(ran)
     for part, color in zip(parts, colors):
-        values = [r["breakdown"].get(part, 0.0) for _, r in ran]
+        values = [part_ms(r, part) for _, r in ran]
         ax.bar(labels, values, bottom=bottom, label=part, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.scatter(labels, [r["step_ms"]["median"] for _, r in ran], color="black", zorder=3,
@@ -527,6 +603,8 @@ def parse_args(argv=None):
                     help="GPUs: measure the model's constants here, write them to PATH and predict with them")
     ap.add_argument("--timeout", type=float, default=1800, help="process group timeout (s)")
     ap.add_argument("--cpu-threads", type=int, default=1, help="CPU: torch's threads per rank")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: CUDA where torch sees a GPU, else CPU")
     return ap.parse_args(argv)
 
 
@@ -546,8 +624,14 @@ def main(argv=None) -> int:
         print("tide.bench.step runs under torchrun: torchrun --standalone --nproc-per-node 2 -m tide.bench.step",
               file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cuda and torch.cuda.device_count() < ranks_here and {"stock", "best"} & set(args.variants):
+        print(f"tide.bench.step: {ranks_here} ranks on this node share {torch.cuda.device_count()} GPU(s): "
+              "NCCL refuses two ranks on one GPU, so stock and best-configured FSDP2 cannot run "
+              "(--variants tide tide-slot-reuse runs TIDE alone; --device cpu runs on CPUs)", file=sys.stderr)
+        return 2
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
