@@ -170,16 +170,10 @@ def _build(args, variant: Variant, groups, device):
     return model, opt
 
 
-def _rss_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name):
-                return int(line.split()[1])
-    return 0
-
-
 def _reset_peak(device):
     import torch
+
+    from tide import demo
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -189,9 +183,8 @@ def _reset_peak(device):
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the current resident set
-    return _rss_kib("VmRSS") * 1024
+    demo._peak_rss_reset()  # VmHWM back to the current resident set
+    return demo._rss_kib("VmRSS") * 1024
 
 
 def _peak_bytes(device, base: int) -> int:
@@ -199,9 +192,11 @@ def _peak_bytes(device, base: int) -> int:
     (the resident set when the variant started, so earlier variants do not count)."""
     import torch
 
+    from tide import demo
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _rss_kib("VmHWM") * 1024 - base
+    return demo._rss_kib("VmHWM") * 1024 - base
 
 
 def _device_used(device) -> int:
