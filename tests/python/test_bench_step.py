@@ -91,14 +91,25 @@ def _check_against_stock(report, precisions, impls=("tide",)):
 
 def test_llama_on_one_node_every_variant(tmp_path):
     """The issue's command, shrunk: every variant in fp32 and bf16; best-configured FSDP2 is
-    named as not run on CPU, with why."""
+    named as not run on CPU, with why; the bound runs the same model with no collective."""
     report, out = _bench(tmp_path, 2, ["--model", "llama3.1-70b", "--layers", "1", "--hidden-divisor", "64",
                                        "--tokens-per-gpu", "32"])
     _check_against_stock(report, ("fp32", "bf16"), impls=("tide", "tide-slot-reuse"))
     assert "for CUDA devices" in report["results"]["best-fp32"]["skipped"]
+    res = report["results"]
+    for prec in ("fp32", "bf16"):
+        bound = res[f"bound-{prec}"]
+        # No collective of FSDP2's, no layout copy; and the same model on the same data:
+        # its first step (before any update) computes stock's first loss.
+        assert not any(bound["paths"].values()), bound["paths"]
+        assert bound["breakdown"]["exposed communication"] == bound["breakdown"]["layout copies"] == 0.0
+        assert bound["breakdown"]["optimizer"] > 0 and bound["step_ms"]["median"] > 0
+    assert res["bound-fp32"]["losses"][0] == res["stock-fp32"]["losses"][0]
+    # bf16: FSDP2's policy also casts the blocks' floating inputs (the RoPE tables) to bf16
+    assert abs(res["bound-bf16"]["losses"][0] - res["stock-bf16"]["losses"][0]) < 2e-2
     assert report["run"]["nodes"] == 1 and report["run"]["world_size"] == 2
     assert report["prediction"]["params"] == report["run"]["params"]
-    for words in ("stock FSDP2 / gloo fp32", "TIDE bf16", "vs stock (same precision)", "step-time model",
+    for words in ("stock FSDP2 / gloo fp32", "TIDE bf16", "bound: no communication fp32", "vs stock (same precision)", "step-time model",
                   "the paper (64 GPUs", "machine: "):
         assert words in out, out
 

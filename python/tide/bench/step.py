@@ -12,7 +12,10 @@ the other in the same processes:
   with force-sum reduction on a zero-CTA NCCL group, a separate reduce-scatter group and two
   reduce-scatter input buffers, each where the running torch has it (the others are named);
 - TIDE (the tide backend, FSDP2's collectives replaced by TIDE-AG / TIDE-RS);
-- TIDE with Slot-Reuse (TIDE_SLOT_REUSE=1).
+- TIDE with Slot-Reuse (TIDE_SLOT_REUSE=1);
+- the bound: the same model unsharded on every rank, from the same weights, with AdamW over
+  a shard's worth of parameters: the step without any collective or FSDP2 bookkeeping, which
+  no variant can beat (where the whole model fits one device).
 The model is built on the meta device, sharded, then each rank fills its own shards, so a
 70B model fits. Mixed precision: bf16 parameters with fp32 reduction on GPUs (the paper's
 setting); on CPUs fp32 and bf16 both, every variant in each. Activation checkpointing per
@@ -41,9 +44,9 @@ from . import workloads as wl
 # in a computation.
 PAPER = step_model.PAPER
 # Time-to-accuracy does not change: the variants differ in how bytes move, not in the math.
-IMPLS = ("stock", "best", "tide", "tide-slot-reuse")
+IMPLS = ("stock", "best", "tide", "tide-slot-reuse", "bound")
 IMPL_LABEL = {"stock": "stock FSDP2", "best": "FSDP2 best-configured", "tide": "TIDE",
-              "tide-slot-reuse": "TIDE + Slot-Reuse"}
+              "tide-slot-reuse": "TIDE + Slot-Reuse", "bound": "bound: no communication"}
 # Tokens per GPU: on GPUs the step-time model's (the paper's 8K for the decoders, one
 # 81-frame 480x832 clip for the DiT); on CPUs a small batch: a core computes about a
 # thousand times slower than an H200, so 8K tokens would bury what the collectives cost.
@@ -139,10 +142,9 @@ def _configure_best(model, variant: Variant, rs_group):
         variant.missing_knobs.append("two reduce-scatter input buffers (FSDPModule.set_reduce_scatter_max_input_buffers)")
 
 
-def _build(args, variant: Variant, groups, device):
+def _module(args):
+    """The model on the meta device, each block checkpointed unless told otherwise."""
     import torch
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from . import nets
 
@@ -154,6 +156,17 @@ def _build(args, variant: Variant, groups, device):
 
         for i, layer in enumerate(model.layers):
             model.layers[i] = checkpoint_wrapper(layer)
+    return model
+
+
+def _build(args, variant: Variant, groups, device):
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from . import nets
+
+    model = _module(args)
     group = {"stock": groups["baseline"], "best": groups.get("best"), "tide": groups["tide"],
              "tide-slot-reuse": groups["tide"]}[variant.impl]
     mesh = DeviceMesh.from_group(group, device.type)
@@ -168,6 +181,62 @@ def _build(args, variant: Variant, groups, device):
     nets.init_weights(model, group.rank(), seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     return model, opt
+
+
+def _build_bound(args, variant: Variant, groups, device):
+    """The bound's model: unsharded on every rank, with the weights every variant starts
+    from (stock's, gathered once, untimed), in the variant's compute dtype; and its optimizer."""
+    import torch
+
+    sharded, _ = _build(args, Variant("stock", variant.bf16), groups, device)
+    full = {name: p.full_tensor() for name, p in sharded.named_parameters()}
+    del sharded
+    model = _module(args)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(full.pop(name))
+    if variant.bf16:
+        model.to(torch.bfloat16)  # what the bf16 policy computes in (gradients bf16 too)
+    return model, _ShardOptimizer(model, groups["baseline"].size(), device)
+
+
+class _ShardOptimizer:
+    """The bound's optimizer: AdamW, as the variants', over fp32 tensors of this rank's shard
+    sizes (FSDP2's padded dim-0 chunks) whose gradients are drawn once, so its step does a
+    sharded step's optimizer work with no reduce-scatter to produce the gradients; zero_grad
+    drops the unsharded model's gradients, as the variants' drop theirs."""
+
+    def __init__(self, model, world_size: int, device):
+        import torch
+
+        self.model = model
+        shards = []
+        for p in model.parameters():
+            rows = -(-p.shape[0] // world_size)
+            t = (torch.randn(rows * (p.numel() // p.shape[0]), device=device) * 0.02).requires_grad_()
+            t.grad = torch.randn_like(t) * 1e-3
+            shards.append(t)
+        self.adamw = torch.optim.AdamW(shards, lr=1e-4, foreach=True)
+
+    def step(self):
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def bound_fits(args, device) -> str:
+    """Why the bound cannot run on this device ("" where it can): on GPUs the whole model in
+    fp32 (gathered) and its parameters and gradients in bf16 must fit half the device."""
+    import torch
+
+    if device.type != "cuda":
+        return ""
+    numel = wl.WORKLOADS[args.model](shape=wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)).numel
+    need, have = numel * (4 + 2 * 2), torch.cuda.get_device_properties(device).total_memory / 2
+    return ("" if need <= have else f"the model unsharded ({_fmt_bytes(need)} with its gradients) does not fit "
+            f"half of one device ({_fmt_bytes(have)}): --layers / --hidden-divisor shrink it")
 
 
 def _reset_peak(device):
@@ -288,7 +357,7 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
         base = _reset_peak(device)
         used_before = _device_used(device) if device.type == "cuda" else 0
         used_growth = 0
-        model, opt = _build(args, variant, groups, device)
+        model, opt = (_build_bound if variant.impl == "bound" else _build)(args, variant, groups, device)
         rank = dist.get_rank()
         tokens, seq = args.tokens_per_gpu, min(args.seq_len, args.tokens_per_gpu)
 
@@ -494,6 +563,9 @@ def format_report(report: dict) -> str:
                  + ("the CUDA allocator's peak, largest rank (it does not see TIDE's symmetric memory)"
                     if run["device"].startswith("cuda")
                     else "growth of the peak resident set over the variant, largest rank"))
+    if any(k.startswith("bound") for k in results):
+        lines.append("bound: the model unsharded on every rank from the same weights, forward + backward + AdamW "
+                     "over a shard's worth of fp32 parameters; no collective, no FSDP2: the floor of every variant")
     gpu_rows = [(k, r) for k, r in results.items() if "gpu" in r]
     if gpu_rows:
         lines.append("device memory in use, growth over the variant at step ends (cudaMemGetInfo: TIDE's "
@@ -666,6 +738,10 @@ def main(argv=None) -> int:
         if v.impl == "best" and not cuda:
             v.skipped = ("its knobs (symmetric memory, zero-CTA NCCL, a separate reduce-scatter group, "
                          "several reduce-scatter buffers) are for CUDA devices")
+            results[v.key] = dict(skipped=v.skipped)
+            continue
+        if v.impl == "bound" and bound_fits(args, device):
+            v.skipped = bound_fits(args, device)
             results[v.key] = dict(skipped=v.skipped)
             continue
         if rank == 0:
