@@ -40,6 +40,9 @@ struct CommOptions {
   // Every rank's pid where already known (the group's node discovery): a rank that dies
   // before it joins the transport is then reported at once, not at the timeout.
   std::vector<int> pids;
+  // Ranks of the group on this host, pseudo-nodes included (the node discovery's count);
+  // 0: the communicator's. How long a waiting rank spins depends on it (host_spin).
+  int host_ranks = 0;
 };
 
 struct ReduceArgs {

@@ -65,6 +65,13 @@ struct GroupNodes {
 GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int world_size, CommOptions options,
                           int job_rank = -1);
 
+// How long a rank waiting on a peer's flag spins before it sleeps on the futex: where every
+// process of the host has a core (`busy` = the most processes we know of there, `cores` =
+// this process's CPUs), a long spin costs nobody anything and saves the wake-up of a sleeping
+// core (on a VM ~0.1 ms per collective); where processes share cores, spinning takes a core
+// a peer needs, so a short spin. TIDE_HOST_SPIN_US overrides.
+std::chrono::microseconds host_spin(int busy, int cores);
+
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
                                                int world_size, const CommOptions& options);
 

@@ -7,6 +7,7 @@
 
 #include "test_host_harness.hpp"
 #include "tide/error.hpp"
+#include "tide/host_transport.hpp"
 #include "tide/store.hpp"
 #include "tide/thread_pool.hpp"
 
@@ -63,6 +64,17 @@ TEST(HostFileStore, ConcurrentAddsFromProcessesAreAtomic) {
   });
   EXPECT_EQ(store->get("late", std::chrono::seconds(5)), std::vector<uint8_t>{42});
   setter.join();
+}
+
+TEST(HostSpin, LongWhereEveryProcessHasACoreShortWhereTheyShareAndTheVariableOverrides) {
+  using std::chrono::microseconds;
+  ::unsetenv("TIDE_HOST_SPIN_US");
+  EXPECT_EQ(host_spin(2, 2), microseconds(200));
+  EXPECT_EQ(host_spin(1, 16), microseconds(200));
+  EXPECT_EQ(host_spin(6, 2), microseconds(10));  // 3 pseudo-nodes x 2 on 2 cores
+  ::setenv("TIDE_HOST_SPIN_US", "0", 1);
+  EXPECT_EQ(host_spin(2, 2), microseconds(0));
+  ::unsetenv("TIDE_HOST_SPIN_US");
 }
 
 TEST(HostThreadPool, RunsEveryIndexOnceAcrossManyJobs) {

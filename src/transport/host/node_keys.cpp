@@ -53,6 +53,11 @@ GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int wor
     if (std::find(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(r), keys[r]) ==
         keys.begin() + static_cast<std::ptrdiff_t>(r))
       ++out.num_nodes;
+  // The group's ranks on this host: those whose key is this host's, pseudo-node or not.
+  auto host_of = [](const std::string& k) { return k.substr(0, k.rfind("#pseudo-node")); };
+  const std::string mine = host_of(keys[static_cast<size_t>(rank)]);
+  options.host_ranks = static_cast<int>(
+      std::count_if(keys.begin(), keys.end(), [&](const std::string& k) { return host_of(k) == mine; }));
   if (out.num_nodes == 1) {
     options.pids = nodes.pids;
     out.node_comm = make_host_comm(store, ns, rank, world_size, options);

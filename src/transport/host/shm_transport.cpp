@@ -7,6 +7,7 @@
 // spin briefly, then sleep in FUTEX_WAIT on the shared word (not FUTEX_PRIVATE: the waker is
 // another process) with a short timeout, re-checking the deadline and peer liveness.
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -44,10 +45,17 @@ constexpr uint64_t kMagic = 0x7469646573686d31ull;  // "tideshm1"
 constexpr size_t kLine = 64;
 constexpr size_t kPage = 4096;
 constexpr size_t kMinPiece = 256 << 10;  // smallest piece worth handing to another thread
-constexpr auto kSpin = std::chrono::microseconds(10);
+constexpr auto kShortSpin = std::chrono::microseconds(10);
+constexpr auto kLongSpin = std::chrono::microseconds(200);
 constexpr auto kNap = std::chrono::milliseconds(5);  // futex timeout between liveness checks
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+int available_cores() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
 
 struct alignas(kLine) FlagLine : SharedCounter {};
 static_assert(sizeof(FlagLine) == kLine);
@@ -278,6 +286,9 @@ class ShmTransport final : public Transport {
       threads = std::clamp(hw / ws, 1, 8);
     }
     pool_ = std::make_unique<ThreadPool>(threads);
+    // The most processes we know of on this host: the group's ranks here, the launcher's.
+    const int busy = std::max({opt.host_ranks, ws, static_cast<int>(env::get_int("LOCAL_WORLD_SIZE", 0))});
+    spin_ = host_spin(busy, available_cores());
 
     base_.assign(ws, nullptr);
     try {
@@ -296,7 +307,8 @@ class ShmTransport final : public Transport {
     env::log(detail::concat("host transport (posix shm): rank ", rank, "/", ws, ", ns '", ns, "', staging ",
                             mib(layout_.num_slots * slot), " (", layout_.num_slots, " x ", mib(slot),
                             " slots), p2p channels ", layout_.channel_depth, " x ", mib(layout_.channel_bytes),
-                            ", threads ", threads, ", cma ", cma_ ? "on" : "off", " (", cma_why_, "), timeout ",
+                            ", threads ", threads, ", cma ", cma_ ? "on" : "off", " (", cma_why_, "), spin ",
+                            spin_.count(), " us (", busy, " processes, ", available_cores(), " cores), timeout ",
                             timeout_.count(), " ms"));
   }
 
@@ -448,7 +460,7 @@ class ShmTransport final : public Transport {
     FlagLine& l = flag(peer, f);
     const uint32_t value = static_cast<uint32_t>(counter);
     if (l.reached(value)) return;
-    const auto spin_until = Clock::now() + kSpin;
+    const auto spin_until = Clock::now() + spin_;
     for (int i = 1;; ++i) {
       _mm_pause();
       if (l.reached(value)) return;
@@ -654,6 +666,7 @@ class ShmTransport final : public Transport {
 
   int rank_, ws_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_ = kShortSpin;  // host_spin()
   Layout layout_;
   std::unique_ptr<ThreadPool> pool_;
   std::vector<std::byte*> base_;
@@ -670,6 +683,11 @@ class ShmTransport final : public Transport {
 };
 
 }  // namespace
+
+std::chrono::microseconds host_spin(int busy, int cores) {
+  if (const int64_t us = env::get_int("TIDE_HOST_SPIN_US", -1); us >= 0) return std::chrono::microseconds(us);
+  return busy <= cores ? kLongSpin : kShortSpin;
+}
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank, int world_size,
                                                const CommOptions& options) {
