@@ -84,22 +84,22 @@ def _process_groups(device_type: str):
                 meta=dist.new_group(backend="gloo"), baseline_name=baseline)
 
 
-def _best_groups(variant: Variant) -> dict:
+def _best_groups() -> dict:
     """The best-configured variant's NCCL groups: FSDP2's (zero-CTA, so symmetric-memory
     all-gathers go to the copy engines, where the torch has the policy) and its separate
     reduce-scatter group (default options). Both NCCL: FSDP2's own
     set_separate_reduce_scatter_group would create the default backend's, here tide."""
     import torch.distributed as dist
 
-    nccl = dist.ProcessGroupNCCL
+    nccl, missing = dist.ProcessGroupNCCL, []
     if hasattr(nccl, "NCCL_CTA_POLICY_ZERO"):
         opts = nccl.Options()
         opts.config.cta_policy = nccl.NCCL_CTA_POLICY_ZERO
         fsdp = dist.new_group(backend="nccl", pg_options=opts)
     else:
-        variant.missing_knobs.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
+        missing.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
         fsdp = dist.new_group(backend="nccl")
-    return dict(best=fsdp, best_rs=dist.new_group(backend="nccl"))
+    return dict(best=fsdp, best_rs=dist.new_group(backend="nccl"), best_missing=missing)
 
 
 def _configure_best(model, variant: Variant, rs_group):
@@ -353,7 +353,9 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
     stats_before = dict(tide.fsdp.stats)
     try:
         if variant.impl == "best":
-            groups.update(_best_groups(variant))
+            if "best" not in groups:  # once, for every round and precision
+                groups.update(_best_groups())
+            variant.missing_knobs.extend(groups["best_missing"])
         base = _reset_peak(device)
         used_before = _device_used(device) if device.type == "cuda" else 0
         used_growth = 0
@@ -420,6 +422,20 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
 # --------------------------------------------------------------------------------------
 # every rank's measurements -> one variant's figures
 # --------------------------------------------------------------------------------------
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One rank's measurements of a variant over its rounds: every round's timed steps, the
+    first round's losses (each round trains from the same weights on the same batches), the
+    last round's profiled steps, the highest peak, the FSDP2 paths taken in all."""
+    first = rounds[0]
+    return dict(step_ms=[ms for r in rounds for ms in r["step_ms"]], losses=first["losses"],
+                peak_bytes=max(r["peak_bytes"] for r in rounds),
+                device_used_growth=max(r["device_used_growth"] for r in rounds),
+                records=[x for r in rounds for x in r["records"]],
+                profiled_ms=[x for r in rounds for x in r["profiled_ms"]],
+                gpu=[x for r in rounds for x in r["gpu"]],
+                paths={k: sum(r["paths"][k] for r in rounds) for k in first["paths"]})
+
 
 def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
     """Step time of the slowest rank per step (median, min, max over the timed steps),
@@ -540,7 +556,9 @@ def format_report(report: dict) -> str:
              + ("one clip: every token attends to all of them" if run["workload"].startswith("wan")
                 else f"sequences of {run['seq_len']}") + "), "
              f"activation checkpointing {'on' if run['activation_checkpointing'] else 'off'}, "
-             f"AdamW, {run['warmup']} warm-up + {run['steps']} timed + {run['profile_steps']} profiled steps",
+             f"AdamW, {run['warmup']} warm-up + {run['steps']} timed steps per variant"
+             + (f" in each of {run['rounds']} rounds (the variants take turns)" if run.get("rounds", 1) > 1 else "")
+             + f", then {run['profile_steps']} profiled",
              f"  {run['machine']}", ""]
     head = (f"{'variant':<34}{'step ms median [min-max]':>27}{'tokens/s':>11}{'exposed comm':>14}"
             f"{'layout copies':>15}{'peak mem':>10}  vs stock (same precision)")
@@ -656,7 +674,10 @@ def parse_args(argv=None):
                     help=f"default on GPUs the step-time model's (8192; 32760 for the DiT), "
                          f"{DEFAULT_TOKENS['cpu']} on CPUs")
     ap.add_argument("--seq-len", type=int, default=DEFAULT_SEQ, help="sequence length (at most tokens per GPU)")
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="the variants take turns this many times, each built afresh (a machine whose speed "
+                         "drifts then slows them alike); default 3 on CPUs, 1 on GPUs")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=1, help="profiled steps per variant, after the timed ones")
     ap.add_argument("--variants", nargs="+", choices=IMPLS, default=list(IMPLS))
@@ -705,6 +726,11 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(args.cpu_threads)
+    if args.rounds is None:
+        args.rounds = 1 if cuda else 3
+    if args.rounds < 1:
+        print("tide.bench.step: --rounds must be at least 1", file=sys.stderr)
+        return 2
     if args.tokens_per_gpu is None:
         args.tokens_per_gpu = DEFAULT_TOKENS[args.model if cuda else "cpu"]
     args.precision = args.precision or (["bf16"] if cuda else ["fp32", "bf16"])
@@ -732,27 +758,38 @@ def main(argv=None) -> int:
     if first is not None:
         run_variant(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 0, "profile_steps": 1}),
                     Variant(first.impl, first.bf16), groups, device)
-    results, labels = {}, {}
+    results, labels, runnable = {}, {}, []
     for v in variants:
         labels[v.key] = v.label(groups["baseline_name"])
         if v.impl == "best" and not cuda:
             v.skipped = ("its knobs (symmetric memory, zero-CTA NCCL, a separate reduce-scatter group, "
                          "several reduce-scatter buffers) are for CUDA devices")
-            results[v.key] = dict(skipped=v.skipped)
-            continue
-        if v.impl == "bound" and bound_fits(args, device):
+        elif v.impl == "bound" and bound_fits(args, device):
             v.skipped = bound_fits(args, device)
+        if v.skipped:
             results[v.key] = dict(skipped=v.skipped)
-            continue
-        if rank == 0:
-            print(f"running {labels[v.key]} ...", flush=True)
-        mine = run_variant(args, v, groups, device)
+        else:
+            results[v.key] = None  # keeps the report in the variants' order
+            runnable.append(v)
+    # Rounds: the variants take turns (a b c a b c ...), each turn built afresh with its own
+    # warm-up, so that a machine whose speed drifts over the run (a shared VM) slows every
+    # variant alike; the last round also profiles.
+    per_round = {v.key: [] for v in runnable}
+    for r in range(args.rounds):
+        last = r == args.rounds - 1
+        for v in runnable:
+            if rank == 0:
+                print(f"running {labels[v.key]}"
+                      + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...", flush=True)
+            a = args if last else argparse.Namespace(**{**vars(args), "profile_steps": 0})
+            per_round[v.key].append(run_variant(a, v, groups, device))
+    for v in runnable:
         every = [None] * ws
-        dist.all_gather_object(every, mine, group=groups["meta"])
+        dist.all_gather_object(every, merge_rounds(per_round[v.key]), group=groups["meta"])
         if rank == 0:
             results[v.key] = summarize(every, args.tokens_per_gpu)
             if v.missing_knobs:
-                results[v.key]["missing_knobs"] = v.missing_knobs
+                results[v.key]["missing_knobs"] = list(dict.fromkeys(v.missing_knobs))  # once per round
     if rank == 0:
         shape = wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)
         name = wl.WORKLOADS[args.model](shape=shape).name
@@ -764,7 +801,8 @@ def main(argv=None) -> int:
                      torch=torch.__version__, nccl=nccl, machine=machine, host=platform.node(),
                      tokens_per_gpu=args.tokens_per_gpu, seq_len=min(args.seq_len, args.tokens_per_gpu),
                      activation_checkpointing=args.activation_checkpointing, warmup=args.warmup,
-                     steps=args.steps, profile_steps=args.profile_steps, precision=args.precision,
+                     steps=args.steps, rounds=args.rounds, profile_steps=args.profile_steps,
+                     precision=args.precision,
                      argv=sys.argv[1:] if argv is None else list(argv),
                      tide_env={k: v for k, v in os.environ.items() if k.startswith(("TIDE_", "NCCL_"))}),
             labels=labels, results=results, paper=PAPER,
