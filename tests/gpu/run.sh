@@ -136,7 +136,8 @@ bench() {
 }
 # The paper's experiment (python -m tide.bench.step) on the one GPU: TIDE and TIDE + Slot-Reuse
 # at ws 2 (two ranks share the GPU; NCCL refuses that, so no stock NCCL variant there), then
-# stock FSDP2 on NCCL and TIDE at ws 1 with --calibrate (the model's constants measured here).
+# stock FSDP2 on NCCL, TIDE and the bound (no communication) at ws 1 with --calibrate (the
+# model's constants measured here).
 # No TIDE_DEBUG: its lines would be timed.
 bench_step() {
   need "$TIDE_BUILD/python/tide" || return
@@ -145,7 +146,7 @@ bench_step() {
   TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m tide.bench.step "${common[@]}" \
     --variants tide tide-slot-reuse --json "$out/bench_step_ws2.json" &&
   TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m tide.bench.step "${common[@]}" \
-    --variants stock tide --calibrate "$out/calibration.json" --json "$out/bench_step_ws1.json"
+    --variants stock tide bound --calibrate "$out/calibration.json" --json "$out/bench_step_ws1.json"
 }
 export -f need doctor gpu_pytest selftest gtests bench bench_step json_line
 export carry out strict results
