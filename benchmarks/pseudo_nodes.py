@@ -65,6 +65,7 @@ def collectives_rank(rank, ws, numel):
     home = backend.allocate_symmetric(store_total, -1)  # node peers read the storages
     storages = [home.tensor(rank, off, lp.storage_numel, torch.float32) for lp, off in zip(params, store_offs)]
     grads = [torch.randn(lp.numel) for lp in params]
+    grads_bf16 = [g.to(torch.bfloat16) for g in grads]
     padded = [lp.padded_shard_numel for lp in params]
     out_offsets = [sum(padded[:i]) for i in range(len(padded))]
     out = torch.empty(sum(padded))
@@ -97,6 +98,11 @@ def collectives_rank(rank, ws, numel):
         ("all_gather", "gloo"): lambda: dist.all_gather_into_tensor(ag_out, x, group=gloo),
         ("reduce_scatter", "tide"): tide_rs,
         ("reduce_scatter", "gloo"): lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=gloo),
+        # FSDP2's bf16 mixed precision with fp32 reduction: stock widens the bf16 gradients and
+        # reduce-scatters fp32 (the gloo row above, widening not counted); TIDE-RS reads the
+        # bf16 gradients and writes fp32 shards.
+        ("reduce_scatter_bf16", "tide"): lambda: backend.param_reduce_scatter(layout, grads_bf16, out, out_offsets,
+                                                                              dist.ReduceOp.SUM).wait(),
     }
     for key, fn in runs.items():
         iters = agreed_iters(fn, slowest, min_time=0.5)
@@ -112,10 +118,14 @@ def print_collectives(nodes, local, r):
     print(f"collectives: one group of {r['total']} fp32 elements ({size / 2**20:.1f} MiB unsharded), "
           f"busbw = size / time x (n - 1) / n")
     print(f"  {'op':<15} {'gloo ms':>9} {'tide ms':>9} {'gloo busbw':>11} {'tide busbw':>11} {'tide/gloo time':>15}")
-    for op in ("all_gather", "reduce_scatter"):
-        g, t = r[(op, "gloo")], r[(op, "tide")]
+    for op, gloo_op, label in (("all_gather", "all_gather", "all_gather"),
+                               ("reduce_scatter", "reduce_scatter", "reduce_scatter"),
+                               ("reduce_scatter_bf16", "reduce_scatter", "rs bf16->fp32*")):
+        g, t = r[(gloo_op, "gloo")], r[(op, "tide")]
         bw = [size / s * (ws - 1) / ws / 1e9 for s in (g, t)]
-        print(f"  {op:<15} {g * 1e3:9.2f} {t * 1e3:9.2f} {bw[0]:8.2f} GB/s {bw[1]:8.2f} GB/s {t / g:14.2f}x")
+        print(f"  {label:<15} {g * 1e3:9.2f} {t * 1e3:9.2f} {bw[0]:8.2f} GB/s {bw[1]:8.2f} GB/s {t / g:14.2f}x")
+    print("  * bf16 gradients, fp32 shards (FSDP2's mixed precision): tide reads the bf16 gradients; "
+          "gloo's column is its fp32 reduce-scatter, which stock FSDP2 runs after widening them")
     print(f"  reduce-scatter staging: peak resident growth over the first TIDE-RS "
           f"{r['rs_peak_growth'] / 2**20:.2f} MiB (slowest rank); node partials "
           f"{r['partial_bytes'] / 2**20:.2f} MiB per rank", flush=True)

@@ -130,7 +130,7 @@ struct StagingReport {
   int num_slots = 0;
   int reused_slots = 0;       // placed in vacated all-gather storage
   size_t fallback_bytes = 0;  // in the communicator's own staging
-  size_t partial_bytes = 0;   // across nodes: the fp32 node partials sent and received
+  size_t partial_bytes = 0;   // across nodes: the node partials sent and received
 };
 
 class Comm {

@@ -103,7 +103,8 @@ def report() -> dict:
                               "equal dtypes, one cast kernel per parameter where the storage dtype "
                               "differs; across nodes: " + r["nccl_one_sided"]["between_nodes"],
                 "reduce_scatter": "TIDE-RS: copy-engine staging + few-CTA fp32 accumulation; across "
-                                  "nodes: fp32 partials over NCCL",
+                                  "nodes: node partials (fp32; the gradient dtype at one "
+                                  "GPU per node) over NCCL",
             }
         else:
             paths["cuda"] = f"stock FSDP2 over NCCL ({caps['allgather_reason']})"

@@ -5,7 +5,8 @@
 //            rail is read in place where contiguous) and posts ready;
 //   phase 2: the rank on the destination's rail (the same local rank) sums the node's
 //            pieces in local rank order: on one node straight into the sharded output with
-//            the op; across nodes into an fp32 node partial, which the engine carries to
+//            the op; across nodes into an fp32 node partial (in the gradient dtype where a
+//            node has one rank: exact, and bf16 halves the bytes), which the engine carries to
 //            the destination's node while the next window's phase 1 runs; each rank then
 //            adds its shard's partials in node order (rounded once to the output dtype).
 // A slot is slot_bytes, one piece of slot_bytes / world size per destination, so staging
@@ -91,7 +92,12 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
   // On one node the node's sum is the result; across nodes it is a partial in fp32 (fp64 for
   // an fp64 output): premul_sum multiplies there, avg divides once by the group at the end.
   const bool one_node = N == 1;
-  const DType part_dtype = a.out_dtype == DType::f64 ? DType::f64 : DType::f32;
+  DType part_dtype = a.out_dtype == DType::f64 ? DType::f64 : DType::f32;
+  // With one rank per node a node partial is that rank's gradient, which its own dtype holds
+  // exactly: it crosses nodes in that dtype (bf16: half the bytes), and the sums are the same
+  // bits. A premul_sum factor, applied in the node phase, would round there: it stays wide.
+  if (L == 1 && a.op.op != ReduceOp::premul_sum && dtype_size(a.grad_dtype) < dtype_size(part_dtype))
+    part_dtype = a.grad_dtype;
   const size_t pes = dtype_size(part_dtype);
   ReduceArgs node_op = a.op, rail_op;
   if (!one_node) {

@@ -3,7 +3,7 @@
 memory only within a node (checked: ranks of different nodes map no common memfd). What
 runs across nodes today: every standard collective on CPU tensors (gloo runs them), and
 FSDP2 with TIDE-AG (the two-level schedule: gloo between nodes, node peers' storages
-within) and TIDE-RS (node-local fp32 partials, then gloo along each rail) across nodes,
+within) and TIDE-RS (node-local partials, then gloo along each rail) across nodes,
 bitwise equal to stock FSDP2 with a reduce-scatter that sums in TIDE-RS's documented
 order."""
 from __future__ import annotations
@@ -173,6 +173,7 @@ def _reference_train_worker(rank, ws, local, bf16):
 @pytest.mark.parametrize("ws,local,bf16,private_shm", [
     (4, 2, False, False), (6, 2, False, False), (6, 3, False, False), (3, 1, False, False),
     (4, 2, True, False), (6, 3, True, False),
+    (3, 1, True, False),  # one rank per node: bf16 node partials between the nodes
     (4, 2, False, True),  # each rank in its own mount namespace with a private /dev/shm
 ])
 def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws, local, bf16, private_shm):
@@ -202,7 +203,7 @@ def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws,
         # TIDE_DEBUG names the path of each level and the engine
         log = tide[r]["log"]
         assert f"all-gather: zero-copy on cpu, across {nodes} nodes: inter-node over gloo" in log, log
-        assert f"reduce-scatter: zero-copy on cpu, across {nodes} nodes: node-local into fp32 partials, " \
+        assert f"reduce-scatter: zero-copy on cpu, across {nodes} nodes: node-local into node partials, " \
                "inter-node over gloo" in log, log
         copies = tide[r]["names"] & (AG_COPIES | RS_COPIES)
         assert not copies, copies

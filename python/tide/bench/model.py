@@ -202,12 +202,19 @@ def tide_allgather(hw: Hardware, ws: int, S: float) -> dict:
     return {"time": max(t_nvl, t_net) + lat, "nvl": t_nvl, "net": t_net, "lat": lat}
 
 
+def tide_partial_elem(g: int, grad_elem: int, cross_elem: int) -> int:
+    """Bytes per element of a TIDE-RS node partial: cross_elem (fp32), but with one GPU per
+    node the partial is that GPU's gradient, which crosses nodes in its own dtype (exact)."""
+    return min(grad_elem, cross_elem) if g == 1 else cross_elem
+
+
 def tide_accumulate_bytes(numel: int, ws: int, g: int, nodes: int, grad_elem: int = 2,
                           cross_elem: int = 4, out_elem: int = 4) -> float:
     """HBM bytes TIDE-RS's accumulation CTAs read + write per rank and unit.
 
     Node-local: read g staged slices of numel/g bf16 (= numel bf16 in all), write the fp32
     node partial (numel/g). Cross-node: read `nodes` partials of numel/ws, write the shard."""
+    cross_elem = tide_partial_elem(g, grad_elem, cross_elem)
     node_local = numel * grad_elem + numel / g * cross_elem
     cross = (nodes * numel / ws * cross_elem + numel / ws * out_elem) if nodes > 1 else 0.0
     return node_local + cross
@@ -218,9 +225,11 @@ def tide_reducescatter_traffic(g: int, nodes: int, numel: float, grad_elem: int 
     """What each rank moves in TIDE-RS across nodes, as node_param_reduce_scatter
     (src/collectives/param_reduce_scatter.cpp) moves it: from its node's g-1 peers, their
     slices of the elements of its rail (numel/g of them, grad dtype); through its NIC, the
-    node partials of the other nodes' rail ranks (numel/g (nodes-1)/nodes elements, fp32),
-    all of a window's in one exchange, windows pipelined (one RDMA latency counted).
+    node partials of the other nodes' rail ranks (numel/g (nodes-1)/nodes elements, fp32;
+    grad dtype at one GPU per node: tide_partial_elem), all of a window's in one exchange,
+    windows pipelined (one RDMA latency counted).
     tests/python/test_pseudo_nodes.py checks net_bytes against the bytes its engine sent."""
+    cross_elem = tide_partial_elem(g, grad_elem, cross_elem)
     return {"net_bytes": numel / g * cross_elem * (nodes - 1) / nodes,
             "node_bytes": numel / g * grad_elem * (g - 1),
             "net_steps": 1 if nodes > 1 else 0}

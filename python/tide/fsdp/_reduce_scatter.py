@@ -187,7 +187,7 @@ def _done(fsdp_params, backend, device):
     report = backend.last_staging_report()
     nodes = backend.num_nodes()
     engine = backend.inter_node_engine(device_index(device)) if nodes > 1 else ""
-    path = (f"across {nodes} nodes: node-local into fp32 partials, inter-node over {engine} "
+    path = (f"across {nodes} nodes: node-local into node partials, inter-node over {engine} "
             f"({report.partial_bytes} B of partials)" if nodes > 1 else "node-local")
     debug(f"reduce-scatter: zero-copy on {device.type}, {path}, {len(fsdp_params)} params, "
           f"staging {report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "

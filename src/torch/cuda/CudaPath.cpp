@@ -408,7 +408,7 @@ c10::intrusive_ptr<c10d::Work> CudaPath::param_reduce_scatter(const tide::ParamR
         "cuda: rank ", rank_, ": param_reduce_scatter #", seq_ - 1, ": ", args.layout->params.size(),
         " params, copy engines + ", g.rs_ctas(), " accumulate CTAs, ", report->num_slots, " x ", report->slot_bytes,
         " B staging (", report->reused_slots, " in vacated all-gather storage)",
-        nodes_ ? tide::detail::concat("; across ", nodes_->topology.num_nodes, " nodes: node-local into fp32 partials (",
+        nodes_ ? tide::detail::concat("; across ", nodes_->topology.num_nodes, " nodes: node-local into node partials (",
                                       report->partial_bytes, " B), inter-node over nccl send-recv")
                : std::string()));
   return finish("tide:param_reduce_scatter", c10d::OpType::REDUCE_SCATTER, std::move(outputs), device);

@@ -55,6 +55,10 @@ class CudaRsNode final : public RsNode {
   }
   void accumulate(void* dst, DType dst_dtype, std::span<const void* const> srcs, DType src_dtype, size_t count,
                   ReduceArgs op) override {
+    if (dst_dtype == src_dtype && srcs.size() == 1 && op.op == ReduceOp::sum) {  // one rank's node partial
+      TIDE_CUDA_CHECK(cudaMemcpyAsync(dst, srcs[0], count * dtype_size(dst_dtype), cudaMemcpyDeviceToDevice, ks_));
+      return;
+    }
     TIDE_CHECK(dst_dtype == DType::f32, "tide: cuda: param_reduce_scatter on rank ", g_.rank(),
                ": accumulates into fp32 only, not ", dtype_name(dst_dtype));
     const float scale = op.op == ReduceOp::premul_sum ? static_cast<float>(op.premul_factor)
