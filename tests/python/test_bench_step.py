@@ -112,6 +112,10 @@ def test_llama_on_one_node_every_variant(tmp_path):
     # losses (the first round's) the same as stock's as checked above.
     assert report["run"]["rounds"] == 2 and "(round 2 of 2)" in out
     assert all(len(r["step_ms"]["per_step"]) == 4 for r in res.values() if "step_ms" in r)
+    # Each round trains afresh from the same weights on the same batches: the same losses.
+    for key, r in res.items():
+        if "round_losses" in r:
+            assert len(r["round_losses"]) == 2 and r["round_losses"][1] == r["round_losses"][0] == r["losses"], key
     assert out.index("running TIDE fp32 (round 1 of 2)") < out.index("running stock FSDP2 / gloo fp32 (round 2 of 2)")
     assert report["prediction"]["params"] == report["run"]["params"]
     for words in ("stock FSDP2 / gloo fp32", "TIDE bf16", "bound: no communication fp32", "vs stock (same precision)", "step-time model",
@@ -190,3 +194,14 @@ def test_uncovered_time_against_a_unit_grid():
         cells = sum(1 for t in range(80) if any(a <= t < b for a, b in spans)
                     and not any(a <= t < b for a, b in cover))
         assert _uncovered_us(spans, cover) == cells, (spans, cover)
+
+
+def test_a_missing_knob_is_named_once_over_rounds():
+    """Every round configures the best variant again: each knob this torch lacks is named once."""
+    from tide.bench.step import Variant
+
+    v = Variant("best", True)
+    for _ in range(3):
+        v.note_missing("zero-CTA NCCL policy", "force-sum reduction")
+        v.note_missing("force-sum reduction")
+    assert v.missing_knobs == ["zero-CTA NCCL policy", "force-sum reduction"]

@@ -65,6 +65,11 @@ class Variant:
     def key(self) -> str:
         return f"{self.impl}-{'bf16' if self.bf16 else 'fp32'}"
 
+    def note_missing(self, *knobs: str) -> None:  # every round configures it: each knob once
+        for k in knobs:
+            if k not in self.missing_knobs:
+                self.missing_knobs.append(k)
+
     def label(self, baseline: str) -> str:
         engine = f" / {baseline}" if self.impl in ("stock", "best") else ""
         return f"{IMPL_LABEL[self.impl]}{engine} {'bf16' if self.bf16 else 'fp32'}"
@@ -123,23 +128,23 @@ def _configure_best(model, variant: Variant, rs_group):
         for g in groups:  # FSDP2's own method, given our NCCL group for these ranks
             g._set_separate_reduce_scatter_group(True, {ranks: rs_group})
     else:
-        variant.missing_knobs.append("a separate reduce-scatter group (FSDPModule.set_separate_reduce_scatter_group)")
+        variant.note_missing("a separate reduce-scatter group (FSDPModule.set_separate_reduce_scatter_group)")
     if hasattr(model, "set_force_sum_reduction_for_comms"):
         each("set_force_sum_reduction_for_comms", True)
     else:
-        variant.missing_knobs.append("force-sum reduction (FSDPModule.set_force_sum_reduction_for_comms)")
+        variant.note_missing("force-sum reduction (FSDPModule.set_force_sum_reduction_for_comms)")
     if hasattr(model, "set_symm_mem_for_comm"):
         each("set_symm_mem_for_comm")
     elif hasattr(model, "set_allocate_memory_from_process_group_for_comm"):
-        variant.missing_knobs.append("symmetric memory (FSDPModule.set_symm_mem_for_comm): NCCL's allocator "
-                                     "for the staging buffers instead")
+        variant.note_missing("symmetric memory (FSDPModule.set_symm_mem_for_comm): NCCL's allocator "
+                             "for the staging buffers instead")
         each("set_allocate_memory_from_process_group_for_comm", True)
     else:
-        variant.missing_knobs.append("symmetric memory (FSDPModule.set_symm_mem_for_comm)")
+        variant.note_missing("symmetric memory (FSDPModule.set_symm_mem_for_comm)")
     if hasattr(model, "set_reduce_scatter_max_input_buffers"):
         model.set_reduce_scatter_max_input_buffers(2)  # recurses
     else:
-        variant.missing_knobs.append("two reduce-scatter input buffers (FSDPModule.set_reduce_scatter_max_input_buffers)")
+        variant.note_missing("two reduce-scatter input buffers (FSDPModule.set_reduce_scatter_max_input_buffers)")
 
 
 def _module(args):
@@ -355,7 +360,7 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
         if variant.impl == "best":
             if "best" not in groups:  # once, for every round and precision
                 groups.update(_best_groups())
-            variant.missing_knobs.extend(groups["best_missing"])
+            variant.note_missing(*groups["best_missing"])
         base = _reset_peak(device)
         used_before = _device_used(device) if device.type == "cuda" else 0
         used_growth = 0
@@ -425,10 +430,12 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
 
 def merge_rounds(rounds: list[dict]) -> dict:
     """One rank's measurements of a variant over its rounds: every round's timed steps, the
-    first round's losses (each round trains from the same weights on the same batches), the
-    last round's profiled steps, the highest peak, the FSDP2 paths taken in all."""
+    first round's losses (each round trains from the same weights on the same batches; every
+    round's kept, to show they agree), the last round's profiled steps, the highest peak, the
+    FSDP2 paths taken in all."""
     first = rounds[0]
     return dict(step_ms=[ms for r in rounds for ms in r["step_ms"]], losses=first["losses"],
+                round_losses=[r["losses"] for r in rounds],
                 peak_bytes=max(r["peak_bytes"] for r in rounds),
                 device_used_growth=max(r["device_used_growth"] for r in rounds),
                 records=[x for r in rounds for x in r["records"]],
@@ -440,8 +447,11 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
     """Step time of the slowest rank per step (median, min, max over the timed steps),
     tokens/s of the whole group, the profiled steps' breakdown (mean over ranks and steps),
-    peak memory (the largest rank's), losses (mean over ranks, per step)."""
+    peak memory (the largest rank's), losses (mean over ranks, per step; and per round)."""
     from tide import demo
+
+    def mean_losses(of_rank):
+        return [statistics.fmean(of_rank(r)[i] for r in ranks) for i in range(len(of_rank(ranks[0])))]
 
     ws = len(ranks)
     slowest = [max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))]
@@ -454,7 +464,8 @@ def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
                breakdown=mean,
                peak_bytes=max(r["peak_bytes"] for r in ranks),
                device_used_growth=max(r["device_used_growth"] for r in ranks),
-               losses=[statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))],
+               losses=mean_losses(lambda r: r["losses"]),
+               round_losses=[mean_losses(lambda r, k=k: r["round_losses"][k]) for k in range(len(ranks[0]["round_losses"]))],
                paths=ranks[0]["paths"])
     if ranks[0]["gpu"]:
         out["gpu"] = dict(
@@ -767,7 +778,7 @@ def main(argv=None) -> int:
         if v.impl == "best" and not cuda:
             v.skipped = ("its knobs (symmetric memory, zero-CTA NCCL, a separate reduce-scatter group, "
                          "several reduce-scatter buffers) are for CUDA devices")
-        elif v.impl == "bound" and bound_fits(args, device):
+        elif v.impl == "bound":
             v.skipped = bound_fits(args, device)
         if v.skipped:
             results[v.key] = dict(skipped=v.skipped)
@@ -792,7 +803,7 @@ def main(argv=None) -> int:
         if rank == 0:
             results[v.key] = summarize(every, args.tokens_per_gpu)
             if v.missing_knobs:
-                results[v.key]["missing_knobs"] = list(dict.fromkeys(v.missing_knobs))  # once per round
+                results[v.key]["missing_knobs"] = v.missing_knobs
     if rank == 0:
         shape = wl.scaled(wl.SHAPES[args.model], args.layers, args.hidden_divisor)
         name = wl.WORKLOADS[args.model](shape=shape).name
