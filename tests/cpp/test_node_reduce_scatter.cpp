@@ -2,9 +2,10 @@
 // node's ranks on their own host communicator (shared memory within the node only), and an
 // engine over the file store between nodes that refuses any message within a node. Every
 // rank's sharded gradients must equal, bitwise, the documented order computed here on its
-// own (each node's ranks in order into an fp32 partial, then the partials in node order),
+// own (each node's ranks in order into an fp32 partial, then the partials in node order;
+// with one rank per node the partial travels in the gradient dtype, the same values),
 // lie within a float64 bound of the exact sum, and keep their padding zero; at 1-7 nodes of
-// 1-3 ranks, f32 and bf16 gradients into f32 or the gradients' own dtype, sum / avg /
+// 1-3 ranks, f32, bf16 and f16 gradients into f32 (bf16 also into bf16), sum / avg /
 // premul_sum, with and without Slot-Reuse, with staging small enough that windows wrap.
 #include <gtest/gtest.h>
 
@@ -115,7 +116,8 @@ void run_topology(int num_nodes, int local) {
     uint64_t tag = rk.seed;
     int cases = 0;
     for (bool reuse : {false, true})
-      for (auto [gd, od] : {std::pair{DType::f32, DType::f32}, {DType::bf16, DType::f32}, {DType::bf16, DType::bf16}})
+      for (auto [gd, od] : {std::pair{DType::f32, DType::f32}, {DType::bf16, DType::f32}, {DType::f16, DType::f32},
+                             {DType::bf16, DType::bf16}})
         for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::premul_sum}) {
           // Fewer cases at the larger topologies: every case is a full collective.
           if (topo.world_size > 4 && (++cases % 3) != 0) continue;

@@ -114,7 +114,8 @@ struct RsCase {
   }
 };
 
-// TIDE-RS's documented order, computed here: fp32 node partials over local ranks, then nodes
+// TIDE-RS's documented order, computed here: fp32 node partials over local ranks (exact in
+// the gradient dtype at one rank per node, where TIDE-RS sends them so), then nodes
 // (rank order on one node), premul_sum per element, avg once at the end.
 inline float documented_sum(const std::vector<std::vector<uint8_t>>& grads_of_rank, DType gd, size_t i,
                             const plan::Topology& topo, ReduceArgs op) {

@@ -288,7 +288,8 @@ def _direct_reduce_scatter_worker(rank, ws, local):
 @pytest.mark.parametrize("ws,local", [(4, 2), (6, 2), (3, 1)])
 def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
     """The step-time model's TIDE-RS NIC bytes per rank (tide_reducescatter_traffic: the node
-    partials of the other nodes' rail ranks, fp32) equal what the engine sent."""
+    partials of the other nodes' rail ranks: fp32, bf16 at one rank per node) equal what the
+    engine sent."""
     from tide.bench import model as M
 
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))

@@ -213,7 +213,9 @@ def tide_accumulate_bytes(numel: int, ws: int, g: int, nodes: int, grad_elem: in
     """HBM bytes TIDE-RS's accumulation CTAs read + write per rank and unit.
 
     Node-local: read g staged slices of numel/g bf16 (= numel bf16 in all), write the fp32
-    node partial (numel/g). Cross-node: read `nodes` partials of numel/ws, write the shard."""
+    node partial (numel/g; at one GPU per node a copy of the gradient, counted alike).
+    Cross-node: read `nodes` partials of numel/ws, write the shard. premul_sum keeps fp32
+    partials at one GPU per node too; the model counts FSDP2's default (sum / avg)."""
     cross_elem = tide_partial_elem(g, grad_elem, cross_elem)
     node_local = numel * grad_elem + numel / g * cross_elem
     cross = (nodes * numel / ws * cross_elem + numel / ws * out_elem) if nodes > 1 else 0.0

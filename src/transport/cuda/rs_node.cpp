@@ -6,7 +6,9 @@
 //   ready         post rs_ready on the copy stream; record the phase-1 event
 //   await_ready   compute stream waits for the phase-1 event and every peer's rs_ready
 //   accumulate    launch_accumulate_f32 on the compute stream (fp32, sources in order,
-//                 TIDE_RS_CTAS CTAs), in chained launches past kMaxAccumulateSources
+//                 TIDE_RS_CTAS CTAs), in chained launches past kMaxAccumulateSources;
+//                 one source of the destination's dtype (a node partial at one GPU per
+//                 node) is a cudaMemcpyAsync there instead
 //   end_window    post rs_done on the compute stream; record the slot's event
 // The two streams overlap window s + 1's staging with window s's sums. Across nodes the
 // engine (NCCL) must be ordered on the compute stream.
