@@ -267,6 +267,8 @@ void ProcessGroupTide::worker_loop() {
       eptr = std::current_exception();
     }
     item.first->complete(eptr);
+    std::lock_guard<std::mutex> lock(mutex_);
+    finished_.push_back(std::move(item));
   }
 }
 
@@ -274,9 +276,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
                                                          std::vector<at::Tensor> outputs,
                                                          std::function<void()> fn) {
   auto work = c10::make_intrusive<WorkTide>(op, name, std::move(outputs));
+  std::vector<Queued> finished;  // released on this thread, after the lock (see finished_)
   {
     std::lock_guard<std::mutex> lock(mutex_);
     queue_.emplace_back(work, std::move(fn));
+    finished.swap(finished_);
   }
   cv_.notify_one();
   return work;

@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <vector>
 #include <map>
 #include <functional>
 #include <memory>
@@ -200,7 +201,12 @@ class ProcessGroupTide : public c10d::Backend {
   tide::StagingReport last_staging_;
   std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::pair<c10::intrusive_ptr<WorkTide>, std::function<void()>>> queue_;
+  using Queued = std::pair<c10::intrusive_ptr<WorkTide>, std::function<void()>>;
+  std::deque<Queued> queue_;
+  // Works the worker finished, released by the next enqueue() or the destructor: never on the
+  // worker, where freeing a tensor's Python object takes the GIL, and taking it while the
+  // interpreter finalizes ends the thread through a noexcept frame (std::terminate).
+  std::vector<Queued> finished_;
   bool stop_ = false;
   std::thread worker_;
 };

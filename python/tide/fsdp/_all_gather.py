@@ -116,34 +116,34 @@ def _alloc_storages(fsdp_params, dtypes, numels, ws, device, backend, stream):
         host, offsets = record(on_host_pool[0]).state.pool.alloc_all(sizes)
         host_blocks = {id(fp): (host, off) for fp, off in zip(on_host_pool, offsets)}
     for fp in fsdp_params:
-        storage = fp.all_gather_outputs[0]
-        rec = record(fp)
-        got = None
+        storage, rec = fp.all_gather_outputs[0], record(fp)
         pool = rec.state.pool
         if id(fp) in host_blocks:
-            pool, offset = host_blocks[id(fp)]
-            nbytes = storage.numel() * storage.element_size()
-            _C.point_storage(storage, pool.memory, pool.rank, offset, nbytes)
-            rec.pool_block = (pool, offset, nbytes)
-            storages.append(storage)
-            continue
-        if pool is not None and rec.pool_block is None:
-            nbytes = storage.numel() * storage.element_size()
-            got = pool.alloc(nbytes)
-            if got is None and backend.num_nodes() > 1:
-                # Node peers read the storages, so they must come from the pool. Every
-                # rank makes the same requests, so every rank gets here together.
-                return None
-        if got is not None:  # Slot-Reuse on CUDA: the storage comes from the pool
-            offset, events = got
-            for event in events:
-                stream.wait_event(event)
-            _C.point_storage(storage, pool.memory, pool.rank, offset, nbytes)
-            rec.pool_block = (pool, offset, nbytes)
+            _point_into_pool(rec, storage, *host_blocks[id(fp)])
+        elif pool is not None and rec.pool_block is None:
+            got = pool.alloc(storage.numel() * storage.element_size())
+            if got is None:
+                if backend.num_nodes() > 1:
+                    # Node peers read the storages, so they must come from the pool. Every
+                    # rank makes the same requests, so every rank gets here together.
+                    return None
+                fp.alloc_all_gather_outputs()
+            else:  # Slot-Reuse on CUDA: the storage comes from the pool
+                offset, events = got
+                for event in events:
+                    stream.wait_event(event)
+                _point_into_pool(rec, storage, pool, offset)
         else:
             fp.alloc_all_gather_outputs()
         storages.append(storage)
     return storages
+
+
+def _point_into_pool(rec, storage, pool, offset):
+    """The storage's bytes become the pool's at `offset`; free_unsharded_param returns them."""
+    nbytes = storage.numel() * storage.element_size()
+    _C.point_storage(storage, pool.memory, pool.rank, offset, nbytes)
+    rec.pool_block = (pool, offset, nbytes)
 
 
 def free_unsharded_param(self):
