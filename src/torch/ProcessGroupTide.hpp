@@ -5,12 +5,12 @@
 
 #include <condition_variable>
 #include <deque>
-#include <vector>
 #include <map>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

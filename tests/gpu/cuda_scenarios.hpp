@@ -501,8 +501,8 @@ inline std::string scenario_reduce_scatter(const RankCtx& c, DType grad_t, Reduc
 // TIDE-RS across pseudo-nodes on one GPU (the nodes of scenario_all_gather_nodes; the
 // partials over StoreDeviceEngine): bitwise against the documented order computed here, the
 // node's local ranks summed in order into fp32 partials (one rank per node: its gradient in
-// its own dtype, copied, not summed), then the nodes in order. Staging
-// small enough that windows wrap.
+// its own dtype, copied, not summed), then the nodes in order. Staging small enough that
+// windows wrap.
 inline std::string scenario_reduce_scatter_nodes(const RankCtx& c, DType grad_t, ReduceOp op) {
   TIDE_CUDA_CHECK(cudaSetDevice(0));
   const int local = c.ws >= 4 ? 2 : 1;

@@ -225,10 +225,9 @@ StagingReport param_reduce_scatter(CudaGroup& group, const ParamReduceScatter& a
                                    cudaStream_t stream = nullptr);
 // The same over several nodes, `group` being this rank's node (`rank` in the whole group,
 // args.layout the whole group's): fp32 node partials (one GPU per node: its gradient, in its
-// dtype) in local rank order on the rank of the
-// destination's rail, carried along the rail by `engine` (ordered on group.compute_stream()),
-// added in node order (`nodes`: the group, this rank in it, the engine). Slot-Reuse memory
-// is the node's.
+// dtype) in local rank order on the rank of the destination's rail, carried along the rail
+// by `engine` (ordered on group.compute_stream()), added in node order (`nodes`: the group,
+// this rank in it, the engine). Slot-Reuse memory is the node's.
 StagingReport param_reduce_scatter_across_nodes(CudaGroup& group, const ParamReduceScatter& args,
                                                 const TwoLevel& nodes, cudaStream_t stream = nullptr);
 
