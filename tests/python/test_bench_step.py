@@ -118,17 +118,20 @@ def test_llama_on_one_node_every_variant(tmp_path):
             assert len(r["round_losses"]) == 2 and r["round_losses"][1] == r["round_losses"][0] == r["losses"], key
     assert out.index("running TIDE fp32 (round 1 of 2)") < out.index("running stock FSDP2 / gloo fp32 (round 2 of 2)")
     assert report["prediction"]["params"] == report["run"]["params"]
-    for words in ("stock FSDP2 / gloo fp32", "TIDE bf16", "bound: no communication fp32", "vs stock (same precision)", "step-time model",
+    for words in ("AdamW (fused)", "stock FSDP2 / gloo fp32", "TIDE bf16", "bound: no communication fp32", "vs stock (same precision)", "step-time model",
                   "the paper (64 GPUs", "machine: "):
         assert words in out, out
 
 
 def test_moe_across_pseudo_nodes(tmp_path):
-    """Qwen3-30B-A3B's MoE blocks over two pseudo-nodes of one rank (gloo between them)."""
-    report, _ = _bench(tmp_path, 2, ["--model", "qwen3-30b-a3b", "--layers", "1", "--hidden-divisor", "32",
-                                     "--tokens-per-gpu", "32", "--variants", "stock", "tide", "--precision", "fp32"],
-                       env_extra={"TIDE_LOCAL_WORLD_SIZE": "1"})
+    """Qwen3-30B-A3B's MoE blocks over two pseudo-nodes of one rank (gloo between them), with
+    the multi-tensor AdamW (the other tests run the default, fused)."""
+    report, out = _bench(tmp_path, 2, ["--model", "qwen3-30b-a3b", "--layers", "1", "--hidden-divisor", "32",
+                                       "--tokens-per-gpu", "32", "--variants", "stock", "tide", "--precision", "fp32",
+                                       "--optimizer", "foreach"],
+                         env_extra={"TIDE_LOCAL_WORLD_SIZE": "1"})
     assert report["run"]["nodes"] == 2
+    assert report["run"]["optimizer"] == "foreach" and "AdamW (foreach)" in out
     _check_against_stock(report, ("fp32",))
 
 

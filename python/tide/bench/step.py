@@ -19,7 +19,8 @@ the other in the same processes:
 The model is built on the meta device, sharded, then each rank fills its own shards, so a
 70B model fits. Mixed precision: bf16 parameters with fp32 reduction on GPUs (the paper's
 setting); on CPUs fp32 and bf16 both, every variant in each. Activation checkpointing per
-block unless --no-activation-checkpointing.
+block unless --no-activation-checkpointing. AdamW fused (torchtitan's default; --optimizer
+foreach for the multi-tensor one), the same in every variant and the bound.
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def _build(args, variant: Variant, groups, device):
         _configure_best(model, variant, groups["best_rs"])
     model.to_empty(device=device)
     nets.init_weights(model, group.rank(), seed=args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{args.optimizer: True})
     return model, opt
 
 
@@ -203,7 +204,7 @@ def _build_bound(args, variant: Variant, groups, device):
             p.copy_(full.pop(name))
     if variant.bf16:
         model.to(torch.bfloat16)  # what the bf16 policy computes in (gradients bf16 too)
-    return model, _ShardOptimizer(model, groups["baseline"].size(), device)
+    return model, _ShardOptimizer(model, groups["baseline"].size(), device, args.optimizer)
 
 
 class _ShardOptimizer:
@@ -212,7 +213,7 @@ class _ShardOptimizer:
     sharded step's optimizer work with no reduce-scatter to produce the gradients; zero_grad
     drops the unsharded model's gradients, as the variants' drop theirs."""
 
-    def __init__(self, model, world_size: int, device):
+    def __init__(self, model, world_size: int, device, implementation: str):
         import torch
 
         self.model = model
@@ -222,7 +223,7 @@ class _ShardOptimizer:
             t = (torch.randn(rows * (p.numel() // p.shape[0]), device=device) * 0.02).requires_grad_()
             t.grad = torch.randn_like(t) * 1e-3
             shards.append(t)
-        self.adamw = torch.optim.AdamW(shards, lr=1e-4, foreach=True)
+        self.adamw = torch.optim.AdamW(shards, lr=1e-4, **{implementation: True})
 
     def step(self):
         self.adamw.step()
@@ -567,7 +568,7 @@ def format_report(report: dict) -> str:
              + ("one clip: every token attends to all of them" if run["workload"].startswith("wan")
                 else f"sequences of {run['seq_len']}") + "), "
              f"activation checkpointing {'on' if run['activation_checkpointing'] else 'off'}, "
-             f"AdamW, {run['warmup']} warm-up + {run['steps']} timed steps per variant"
+             f"AdamW ({run.get('optimizer', 'foreach')}), {run['warmup']} warm-up + {run['steps']} timed steps per variant"
              + (f" in each of {run['rounds']} rounds (the variants take turns)" if run.get("rounds", 1) > 1 else "")
              + f", then {run['profile_steps']} profiled",
              f"  {run['machine']}", ""]
@@ -698,6 +699,9 @@ def parse_args(argv=None):
     ap.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=None,
                     help="default: bf16 on GPUs (bf16 parameters, fp32 reduction); fp32 and bf16 on CPUs")
     ap.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    ap.add_argument("--optimizer", choices=("fused", "foreach"), default="fused",
+                    help="AdamW's implementation, every variant's and the bound's (default: fused, "
+                         "torchtitan's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write every measurement, the machine, torch, NCCL and flags")
     ap.add_argument("--png", metavar="PATH", help="write the figure")
@@ -814,7 +818,8 @@ def main(argv=None) -> int:
                      device=f"cuda ({torch.cuda.get_device_name(device)})" if cuda else "cpu",
                      torch=torch.__version__, nccl=nccl, machine=machine, host=platform.node(),
                      tokens_per_gpu=args.tokens_per_gpu, seq_len=min(args.seq_len, args.tokens_per_gpu),
-                     activation_checkpointing=args.activation_checkpointing, warmup=args.warmup,
+                     activation_checkpointing=args.activation_checkpointing, optimizer=args.optimizer,
+                     warmup=args.warmup,
                      steps=args.steps, rounds=args.rounds, profile_steps=args.profile_steps,
                      precision=args.precision,
                      argv=sys.argv[1:] if argv is None else list(argv),
