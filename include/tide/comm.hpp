@@ -140,6 +140,9 @@ class Comm {
   virtual int world_size() const = 0;
   // How param_all_gather moves shards ("direct", "doubling"; CommOptions::allgather_algorithm).
   virtual const char* param_all_gather_algorithm() const { return "direct"; }
+  // How long a rank waiting on a peer of this communicator spins before it sleeps (the host
+  // transport's host_spin); TIDE-AG's node peers wait on their progress words by it too.
+  virtual std::chrono::microseconds wait_spin() const { return std::chrono::microseconds(0); }
 
   // outs[r] receives rank r's `count` elements of `in`. outs.size() == world_size.
   virtual void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) = 0;

@@ -191,7 +191,7 @@ namespace tide {
 // NodePeers over a node's host communicator: rank r's storage of param p at
 // storage_offsets[p] bytes into storages->peer(local rank of r), and each rank's progress
 // (a futex word) in its 64-byte part of `progress` (both allocated on node_comm, so
-// symmetric on the node).
+// symmetric on the node). A waiter spins node_comm.wait_spin(), then sleeps.
 std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology& topology, int rank,
                                            SymmetricBuffer& progress, SymmetricBuffer& storages,
                                            std::vector<size_t> storage_offsets, std::chrono::milliseconds timeout);

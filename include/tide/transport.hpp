@@ -7,6 +7,7 @@
 // Flags are monotonic 32-bit counters compared modulo 2^32 ("at least"), so they are never
 // reset. Each rank posts only its own flags; anyone may wait on anyone's.
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -91,6 +92,8 @@ class Transport {
   // Until `peer`'s flag reaches `value` (acquire). Throws TimeoutError when the current op's
   // deadline passes, or the peer died or aborted.
   virtual void wait(int peer, Flag flag, uint64_t value) = 0;
+  // How long wait() spins before it sleeps.
+  virtual std::chrono::microseconds wait_spin() const { return std::chrono::microseconds(0); }
   // Where every counter (pipeline steps, p2p chunks, exchanges) starts; every flag holds it
   // from creation on (CommOptions::counter_start).
   virtual uint64_t counter_start() const { return 0; }

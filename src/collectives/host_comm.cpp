@@ -107,6 +107,7 @@ class HostComm final : public Comm {
   int rank() const override { return rank_; }
   const char* param_all_gather_algorithm() const override { return doubling_ ? "doubling" : "direct"; }
   int world_size() const override { return ws_; }
+  std::chrono::microseconds wait_spin() const override { return t_->wait_spin(); }
 
   void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) override {
     const size_t bytes = count * dtype_size(dtype);

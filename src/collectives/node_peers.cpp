@@ -1,11 +1,13 @@
 // The peers of a node as the two-level collectives see them (include/tide/engine.hpp):
 // storages and progress words in symmetric memory of the node's host communicator. A
-// waiter spins briefly, then sleeps on the peer's word (SharedCounter), woken by
-// publish(): no sleep overshoots a peer's progress, which small collectives would pay at
-// every wait.
+// waiter spins as the node's transport does (host_spin: long where every process has a
+// core, short where processes share cores, so that a waiter never takes a core a computing
+// peer needs), then sleeps on the peer's word (SharedCounter), woken by publish(): no sleep
+// overshoots a peer's progress, which small collectives would pay at every wait.
+#include <immintrin.h>
+
 #include <cstring>
 #include <set>
-#include <thread>
 
 #include "../core/shared_counter.hpp"
 
@@ -20,7 +22,7 @@ class SymmetricNodePeers final : public NodePeers {
   SymmetricNodePeers(Comm& node, const plan::Topology& topo, int rank, SymmetricBuffer& progress,
                      SymmetricBuffer& storages, std::vector<size_t> offsets, std::chrono::milliseconds timeout)
       : node_(node), topo_(topo), me_(rank), progress_(progress), storages_(storages),
-        offsets_(std::move(offsets)), timeout_(timeout) {}
+        offsets_(std::move(offsets)), timeout_(timeout), spin_(node.wait_spin()) {}
 
   const std::byte* storage(int rank, int param) override {
     return storages_.peer(local(rank)) + offsets_.at(static_cast<size_t>(param));
@@ -31,9 +33,10 @@ class SymmetricNodePeers final : public NodePeers {
     const uint32_t target = static_cast<uint32_t>(value);
     if (p.reached(target)) return;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < 2000; ++i) {  // a short spin: a peer that is nearly there
+    for (int i = 1;; ++i) {
+      _mm_pause();
       if (p.reached(target)) return;
-      std::this_thread::yield();
+      if ((i & 31) == 0 && std::chrono::steady_clock::now() - start >= spin_) break;
     }
     const timespec nap{0, 5'000'000};  // between deadline checks
     for (;;) {
@@ -61,6 +64,7 @@ class SymmetricNodePeers final : public NodePeers {
   SymmetricBuffer& storages_;
   std::vector<size_t> offsets_;
   std::chrono::milliseconds timeout_;
+  std::chrono::microseconds spin_;
 };
 
 }  // namespace

@@ -77,6 +77,21 @@ TEST(HostSpin, LongWhereEveryProcessHasACoreShortWhereTheyShareAndTheVariableOve
   ::unsetenv("TIDE_HOST_SPIN_US");
 }
 
+// What a host communicator tells its waiters outside the transport (TIDE-AG's node peers,
+// whose progress words are theirs): the transport's spin, from the host's ranks.
+TEST(HostSpin, TheCommunicatorsWaitSpinIsItsTransports) {
+  using std::chrono::microseconds;
+  TempDir dir;
+  auto store = make_file_store(dir.path);
+  CommOptions opts;
+  opts.host_ranks = 1 << 20;  // more processes than any host has cores
+  ::unsetenv("TIDE_HOST_SPIN_US");
+  EXPECT_EQ(make_host_comm(*store, "spin-shared", 0, 1, opts)->wait_spin(), microseconds(10));
+  ::setenv("TIDE_HOST_SPIN_US", "37", 1);
+  EXPECT_EQ(make_host_comm(*store, "spin-override", 0, 1, opts)->wait_spin(), microseconds(37));
+  ::unsetenv("TIDE_HOST_SPIN_US");
+}
+
 TEST(HostThreadPool, RunsEveryIndexOnceAcrossManyJobs) {
   for (int threads : {1, 2, 4}) {
     ThreadPool pool(threads);

@@ -320,6 +320,7 @@ class ShmTransport final : public Transport {
   const char* name() const override { return "shm"; }
   int rank() const override { return rank_; }
   int world_size() const override { return ws_; }
+  std::chrono::microseconds wait_spin() const override { return spin_; }
   int num_slots() const override { return static_cast<int>(layout_.num_slots); }
   size_t slot_bytes() const override { return layout_.slot_bytes; }
   std::byte* peer(int r, int slot) override {
