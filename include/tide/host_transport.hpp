@@ -68,9 +68,10 @@ GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int wor
 // How long a rank waiting on a peer's flag (or TIDE-AG's node peers on a progress word)
 // spins before it sleeps on the futex: where every process of the host has a core (`busy` =
 // the most processes we know of there, `cores` = this process's CPUs), a long spin costs
-// nobody anything and saves the wake-up of a sleeping core (tide.bench.step at 1 x 2 on a 2-core VM: exposed communication 12.4-12.9 ms a step
-// with 200 us, 13.3-15.2 ms with 10 us); where processes share cores, spinning takes a core
-// a peer needs, so a short spin. TIDE_HOST_SPIN_US overrides.
+// nobody anything and saves the wake-up of a sleeping core (tide.bench.step at 1 x 2 on a
+// 2-core VM: exposed communication 12.4-12.9 ms a step with 200 us, 13.3-15.2 ms with
+// 10 us); where processes share cores, spinning takes a core a peer needs, so a short spin.
+// TIDE_HOST_SPIN_US overrides.
 std::chrono::microseconds host_spin(int busy, int cores);
 
 std::unique_ptr<Transport> make_host_transport(Store& store, const std::string& ns, int rank,
