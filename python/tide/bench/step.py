@@ -568,7 +568,7 @@ def format_report(report: dict) -> str:
              + ("one clip: every token attends to all of them" if run["workload"].startswith("wan")
                 else f"sequences of {run['seq_len']}") + "), "
              f"activation checkpointing {'on' if run['activation_checkpointing'] else 'off'}, "
-             f"AdamW ({run.get('optimizer', 'foreach')}), {run['warmup']} warm-up + {run['steps']} timed steps per variant"
+             f"AdamW ({run['optimizer']}), {run['warmup']} warm-up + {run['steps']} timed steps per variant"
              + (f" in each of {run['rounds']} rounds (the variants take turns)" if run.get("rounds", 1) > 1 else "")
              + f", then {run['profile_steps']} profiled",
              f"  {run['machine']}", ""]
