@@ -142,7 +142,7 @@ class Comm {
   virtual const char* param_all_gather_algorithm() const { return "direct"; }
   // How long a rank waiting on a peer of this communicator spins before it sleeps (the host
   // transport's host_spin); TIDE-AG's node peers wait on their progress words by it too.
-  virtual std::chrono::microseconds wait_spin() const { return std::chrono::microseconds(0); }
+  virtual std::chrono::microseconds wait_spin() const = 0;
 
   // outs[r] receives rank r's `count` elements of `in`. outs.size() == world_size.
   virtual void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) = 0;

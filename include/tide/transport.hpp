@@ -93,7 +93,7 @@ class Transport {
   // deadline passes, or the peer died or aborted.
   virtual void wait(int peer, Flag flag, uint64_t value) = 0;
   // How long wait() spins before it sleeps.
-  virtual std::chrono::microseconds wait_spin() const { return std::chrono::microseconds(0); }
+  virtual std::chrono::microseconds wait_spin() const = 0;
   // Where every counter (pipeline steps, p2p chunks, exchanges) starts; every flag holds it
   // from creation on (CommOptions::counter_start).
   virtual uint64_t counter_start() const { return 0; }

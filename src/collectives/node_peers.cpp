@@ -4,8 +4,6 @@
 // core, short where processes share cores, so that a waiter never takes a core a computing
 // peer needs), then sleeps on the peer's word (SharedCounter), woken by publish(): no sleep
 // overshoots a peer's progress, which small collectives would pay at every wait.
-#include <immintrin.h>
-
 #include <cstring>
 #include <set>
 
@@ -33,11 +31,7 @@ class SymmetricNodePeers final : public NodePeers {
     const uint32_t target = static_cast<uint32_t>(value);
     if (p.reached(target)) return;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 1;; ++i) {
-      _mm_pause();
-      if (p.reached(target)) return;
-      if ((i & 31) == 0 && std::chrono::steady_clock::now() - start >= spin_) break;
-    }
+    if (p.spin(target, spin_)) return;
     const timespec nap{0, 5'000'000};  // between deadline checks
     for (;;) {
       if (p.sleep(target, nap)) return;

@@ -4,12 +4,14 @@
 // process); post() only makes the wake syscall when someone sleeps. Used by the host
 // transport's flags and by the node peers' progress words.
 #pragma once
+#include <immintrin.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 
@@ -22,6 +24,16 @@ struct SharedCounter {
   std::atomic<uint32_t> waiters;  // sleepers in FUTEX_WAIT
 
   bool reached(uint32_t target) const { return counter_reached(value.load(std::memory_order_acquire), target); }
+  // Spins (pause, the clock read every 32 rounds) until reached(target) or `spin` passes, the
+  // waiter's step before sleep(): host_spin says how long; returns reached(target).
+  bool spin(uint32_t target, std::chrono::microseconds spin) const {
+    const auto until = std::chrono::steady_clock::now() + spin;
+    for (int i = 1;; ++i) {
+      _mm_pause();
+      if (reached(target)) return true;
+      if ((i & 31) == 0 && std::chrono::steady_clock::now() >= until) return false;
+    }
+  }
   void post(uint32_t v) {
     value.store(v, std::memory_order_seq_cst);
     if (waiters.load(std::memory_order_seq_cst) != 0) futex(FUTEX_WAKE, INT_MAX, nullptr);

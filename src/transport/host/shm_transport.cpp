@@ -12,7 +12,6 @@
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
@@ -460,13 +459,7 @@ class ShmTransport final : public Transport {
   void wait(int peer, Flag f, uint64_t counter) override {
     FlagLine& l = flag(peer, f);
     const uint32_t value = static_cast<uint32_t>(counter);
-    if (l.reached(value)) return;
-    const auto spin_until = Clock::now() + spin_;
-    for (int i = 1;; ++i) {
-      _mm_pause();
-      if (l.reached(value)) return;
-      if ((i & 31) == 0 && Clock::now() >= spin_until) break;
-    }
+    if (l.reached(value) || l.spin(value, spin_)) return;
     const timespec nap{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kNap).count()};
     for (;;) {
       if (l.sleep(value, nap)) return;
