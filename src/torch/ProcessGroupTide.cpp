@@ -231,20 +231,23 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
 }
 
 ProcessGroupTide::~ProcessGroupTide() {
+  // Torch drops a backend with the GIL held (pybind's dealloc), and this teardown waits for
+  // threads that take it: this group's worker (future callbacks), gloo's run loops (a
+  // finished work frees its Python-owned tensors) and NCCL's. So the GIL is released for all
+  // of it, and the members that own such threads are dropped here rather than after the body.
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
   cuda_params_.reset();  // its teardown is collective over the store, not the worker
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   cv_.notify_all();
-  // Finishes what was queued, as gloo's destructor does. Future callbacks may need the GIL
-  // on the worker, so do not hold it while waiting.
-  if (Py_IsInitialized() && PyGILState_Check()) {
-    pybind11::gil_scoped_release no_gil;
-    worker_.join();
-  } else {
-    worker_.join();
-  }
+  worker_.join();  // finishes what was queued, as gloo's destructor does
+  finished_.clear();
+  cpu_params_.reset();  // TIDE's gloo engine holds the delegate
+  cpu_.reset();
+  cuda_.reset();
 }
 
 void ProcessGroupTide::worker_loop() {

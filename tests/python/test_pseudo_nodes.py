@@ -115,6 +115,25 @@ def test_standard_collectives_across_pseudo_nodes(monkeypatch, ws, local, nodes)
     assert_memory_stays_in_nodes([inodes for _, inodes in results], local)
 
 
+def gloo_work_in_flight_worker(rank, ws):
+    """Leaves all-gathers running on the group's gloo delegate, their handles dropped, for
+    the harness's destroy_process_group: gloo's run loop then frees each finished work's
+    Python-owned tensors, which takes the GIL."""
+    import torch.distributed as dist
+
+    outs = [torch.empty(1 << 20) for _ in range(ws)]
+    for _ in range(4):
+        dist.all_gather(outs, torch.randn(1 << 20), async_op=True)
+    return True
+
+
+def test_destroying_the_group_with_gloo_work_in_flight_does_not_hang(monkeypatch):
+    # The group's teardown drops the gloo delegate, whose destructor waits for its run loop:
+    # it must not hold the GIL meanwhile (it did, and every rank hung in destroy_process_group).
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "1")
+    assert run_ranks(gloo_work_in_flight_worker, 2, timeout=60) == [True, True]
+
+
 def test_one_pseudo_node_is_the_host_transport(monkeypatch):
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "2")
     assert run_ranks(_one_node_worker, 2) == [(1, True)] * 2
