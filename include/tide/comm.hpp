@@ -113,6 +113,10 @@ struct ParamReduceScatter {
   // Across nodes (null: one host): the communicator is one node of the group `nodes`
   // describes, and the layout is the whole group's.
   const struct TwoLevel* nodes = nullptr;
+  // Owns the gradients behind `grads`, or null. Set, TIDE-RS with one rank per node sends
+  // contiguous gradient pieces to the other nodes straight from the gradients (no copy into
+  // a node partial): the engine holds this past a failed exchange, as it holds the partials.
+  std::shared_ptr<const void> grads_alive;
 };
 
 // A group of nodes as the two-level collectives see it from one rank: the nodes (the ranks of
@@ -131,6 +135,7 @@ struct StagingReport {
   int reused_slots = 0;       // placed in vacated all-gather storage
   size_t fallback_bytes = 0;  // in the communicator's own staging
   size_t partial_bytes = 0;   // across nodes: the node partials sent and received
+  size_t direct_bytes = 0;    // across nodes: bytes sent straight from the gradients
 };
 
 class Comm {

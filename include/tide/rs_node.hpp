@@ -72,7 +72,8 @@ class RsNode {
 // of the flat padded-shard space. Per window, every rank of a node copies its gradient
 // slices for every destination into its slot (grad dtype); the rank of the destination's
 // rail sums the node's pieces in local rank order (into the output on one node, else into
-// an fp32 node partial, or with one rank per node its gradient in its own dtype); across
+// an fp32 node partial, or with one rank per node its gradient in its own dtype, sent from
+// the gradient itself where args.grads_alive holds it for the engine); across
 // nodes the partials travel along the rails over the engine while the next window's node
 // phase runs, and each rank adds its shard's partials in node
 // order. Sum order: local ranks, then nodes (rank order on one node, and with one rank per

@@ -9,12 +9,17 @@
 //            node has one rank: exact, and bf16 halves the bytes), which the engine carries to
 //            the destination's node while the next window's phase 1 runs; each rank then
 //            adds its shard's partials in node order (rounded once to the output dtype).
+//            With one rank per node and the caller's gradients held for the engine
+//            (args.grads_alive), a contiguous piece's partial is the gradient itself: it is
+//            sent and read from there, not copied.
 // A slot is slot_bytes, one piece of slot_bytes / world size per destination, so staging
 // does not grow with the world size. Slot-Reuse puts slots in vacated all-gather storage
 // (the same place on every rank of the node); a slot is reused only after every node rank
 // finished reading it (RsNode::begin_window).
 #include <algorithm>
 #include <array>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "tide/engine.hpp"
@@ -99,6 +104,8 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
   if (L == 1 && a.op.op != ReduceOp::premul_sum && dtype_size(a.grad_dtype) < dtype_size(part_dtype))
     part_dtype = a.grad_dtype;
   const size_t pes = dtype_size(part_dtype);
+  const bool from_grads =
+      !one_node && L == 1 && part_dtype == a.grad_dtype && a.op.op != ReduceOp::premul_sum && a.grads_alive;
   ReduceArgs node_op = a.op, rail_op;
   if (!one_node) {
     TIDE_CHECK(is_floating(a.grad_dtype) &&
@@ -144,6 +151,12 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
     return partials.get() + ((window % 2) * 2 * static_cast<size_t>(N) + static_cast<size_t>(of_node)) * part_bytes;
   };
   auto received = [&](size_t window, int of_node) { return partial(window, of_node) + N * part_bytes; };
+  // What a failed exchange's late delivery may still touch: the partials, and the gradients
+  // where they are sent from.
+  std::shared_ptr<const void> engine_alive = partials;
+  if (from_grads)
+    engine_alive = std::make_shared<std::pair<std::shared_ptr<std::byte>, std::shared_ptr<const void>>>(
+        partials, a.grads_alive);
 
   struct Sum {  // a piece whose node sum this rank makes
     size_t p;
@@ -161,12 +174,17 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
   auto out_at = [&](const Sum& s) {
     return static_cast<std::byte*>(a.out) + static_cast<size_t>(a.out_offsets[s.p] + s.lo) * oes;
   };
+  // My node's partial of a piece: the gradient itself where it is sent from there.
+  auto node_partial = [&](size_t k, const Sum& s) -> const void* {
+    if (from_grads && s.in_place) return s.in_place;
+    return partial(k, topo.node_of(s.dst)) + static_cast<size_t>(s.pos) * pes;
+  };
   // A window's end across nodes: its partials arrived; add them, in node order, into my shard.
   auto add_partials = [&](size_t k) {
     group.engine->finish();
     for (const Sum& s : own[k % 2]) {
       for (int j = 0; j < N; ++j)
-        srcs[static_cast<size_t>(j)] = (j == my_node ? partial(k, j) : received(k, j)) + static_cast<size_t>(s.pos) * pes;
+        srcs[static_cast<size_t>(j)] = j == my_node ? node_partial(k, s) : received(k, j) + static_cast<size_t>(s.pos) * pes;
       node.accumulate(out_at(s), a.out_dtype, std::span(srcs.data(), static_cast<size_t>(N)), part_dtype,
                       static_cast<size_t>(s.hi - s.lo), rail_op);
     }
@@ -202,6 +220,7 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
     // Phase 2, the node's sum: local ranks in order.
     node.await_ready(step);
     for (const Sum& s : sums) {
+      if (from_grads && s.in_place) continue;  // its partial is the gradient
       const size_t at = static_cast<size_t>(s.dst) * piece + static_cast<size_t>(s.pos) * ges;
       for (int r = 0; r < L; ++r)
         srcs[static_cast<size_t>(r)] = r == lme && s.in_place ? s.in_place : slots.at(r, idx) + at;
@@ -221,6 +240,19 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
     for (int j = 0; j < N; ++j) {
       if (j == my_node) continue;
       const int peer = topo.rank_of(j, lme);
+      if (from_grads) {
+        // A message per piece, in the plan's order, which the peer receives alike.
+        for (const Sum& s : sums) {
+          const size_t bytes = static_cast<size_t>(s.hi - s.lo) * pes;
+          if (bytes == 0) continue;
+          if (s.dst == peer) {
+            sends.push_back({peer, node_partial(k, s), bytes});
+            if (s.in_place) report.direct_bytes += bytes;
+          }
+          if (s.dst == me) recvs.push_back({peer, received(k, j) + static_cast<size_t>(s.pos) * pes, bytes});
+        }
+        continue;
+      }
       if (const int64_t n = extent[static_cast<size_t>(j)]; n > 0)
         sends.push_back({peer, partial(k, j), static_cast<size_t>(n) * pes});
       if (my_extent > 0) recvs.push_back({peer, received(k, j), static_cast<size_t>(my_extent) * pes});
@@ -228,7 +260,7 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
     own[k % 2].clear();
     for (const Sum& s : sums)
       if (s.dst == me) own[k % 2].push_back(s);
-    group.engine->start(sends, recvs, partials);
+    group.engine->start(sends, recvs, engine_alive);
     if (k > 0) add_partials(k - 1);
   }
   if (!one_node && !pipe.chunks.empty()) add_partials(pipe.chunks.size() - 1);

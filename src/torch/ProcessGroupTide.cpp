@@ -951,7 +951,7 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
   auto red = to_reduce(op, ctx, grad_dtype, out_dtype);
   // On CUDA the group's copy stream reads the gradients after this returns: tide.fsdp
   // records them on its stream so they outlive the reads.
-  auto call = [this, &p, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse, regions]() {
+  auto call = [this, &p, layout, grads, out, out_offsets, grad_dtype, out_dtype, red, reuse, regions, device]() {
     std::vector<const void*> ptrs;
     for (auto& g : grads) ptrs.push_back(g.data_ptr());
     tide::ParamReduceScatter args;
@@ -964,6 +964,9 @@ ProcessGroupTide::Launch ProcessGroupTide::make_param_reduce_scatter(
     args.op = red;
     args.reuse = reuse.get();
     args.reuse_regions = regions;
+    // Host tensors: TIDE-RS may send from the gradients (one rank per node), and the engine
+    // then keeps them past a failed exchange. CUDA keeps its copy into the partials.
+    if (device < 0) args.grads_alive = std::make_shared<const std::vector<at::Tensor>>(grads);
     return p.reduce_scatter(args, out, last_staging_);
   };
   return [this, call, on_worker = p.on_worker(), out]() -> c10::intrusive_ptr<c10d::Work> {

@@ -122,7 +122,8 @@ void bind_backend(pybind11::module_& m) {
       .def_readonly("num_slots", &StagingReport::num_slots)
       .def_readonly("reused_slots", &StagingReport::reused_slots)
       .def_readonly("fallback_bytes", &StagingReport::fallback_bytes)
-      .def_readonly("partial_bytes", &StagingReport::partial_bytes);
+      .def_readonly("partial_bytes", &StagingReport::partial_bytes)
+      .def_readonly("direct_bytes", &StagingReport::direct_bytes);
 
   py::class_<ProcessGroupTide, c10d::Backend, c10::intrusive_ptr<ProcessGroupTide>>(
       m, "ProcessGroupTide", "The tide c10d backend (host shared-memory transport).")

@@ -301,6 +301,7 @@ def _direct_reduce_scatter_worker(rank, ws, local):
     want = torch.cat([sum(grads_of(r)[i].double() for r in range(ws)).reshape(ws, -1)[rank]
                       for i in range(len(shapes))])
     return dict(sent=sent, numel=sum(lp.numel for lp in layout.params),
+                direct=backend.last_staging_report().direct_bytes,
                 max_err=(out.double() - want).abs().max().item())
 
 
@@ -308,13 +309,15 @@ def _direct_reduce_scatter_worker(rank, ws, local):
 def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
     """The step-time model's TIDE-RS NIC bytes per rank (tide_reducescatter_traffic: the node
     partials of the other nodes' rail ranks: fp32, bf16 at one rank per node) equal what the
-    engine sent."""
+    engine sent; with one rank per node every byte of it goes straight from the gradients
+    (no copy into a node partial)."""
     from tide.bench import model as M
 
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
     for r, got in enumerate(run_ranks(_direct_reduce_scatter_worker, ws, local)):
         want = M.tide_reducescatter_traffic(local, ws // local, got["numel"], 2, 4)["net_bytes"]
         assert got["sent"] == want, (r, got["sent"], want)
+        assert got["direct"] == (want if local == 1 else 0), (r, got["direct"], want)
         assert got["max_err"] < 1e-4, got["max_err"]
 
 

@@ -188,7 +188,8 @@ def _done(fsdp_params, backend, device):
     nodes = backend.num_nodes()
     engine = backend.inter_node_engine(device_index(device)) if nodes > 1 else ""
     path = (f"across {nodes} nodes: node-local into node partials, inter-node over {engine} "
-            f"({report.partial_bytes} B of partials)" if nodes > 1 else "node-local")
+            f"({report.partial_bytes} B of partials, {report.direct_bytes} B sent straight from the "
+            f"gradients)" if nodes > 1 else "node-local")
     debug(f"reduce-scatter: zero-copy on {device.type}, {path}, {len(fsdp_params)} params, "
           f"staging {report.num_slots} x {report.slot_bytes} B ({report.reused_slots} in vacated "
           f"all-gather storage)")
