@@ -26,6 +26,14 @@ from datetime import timedelta
 TIME_SCALE = float(os.environ.get("TIDE_TEST_TIME_SCALE") or 3.0)
 
 
+# What the fork server imports once for every rank it forks: torch, dynamo and the
+# transformers models of real_models.py (about 4 s a rank otherwise, 2 cores shared). Not
+# tide: it reads its environment when imported (TIDE_FSDP), so each rank imports it after
+# taking the caller's environment.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2"]
+
+
 def slack(seconds: float) -> float:
     """A test's allowance for a slow machine (`seconds` on an idle one), scaled."""
     return seconds * TIME_SCALE
@@ -76,9 +84,7 @@ def run_ranks(fn, world_size, *args, backend="tide", timeout=120, pg_timeout_s=6
     process group exists.
     """
     ctx = mp.get_context("forkserver")
-    # torch only: tide reads its environment when imported (TIDE_FSDP), so each rank
-    # imports it after taking the caller's environment.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp"])
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     expect_exit = set(expect_exit or ())
     with tempfile.TemporaryDirectory() as tmp:

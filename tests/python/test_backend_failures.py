@@ -91,7 +91,7 @@ def dead_peer_worker(rank, ws):
     return msg, time.monotonic() - start
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.one_torch)])
 def test_dead_peer_raises_on_every_survivor(ws):
     before = tide_shm_entries()
     results = run_ranks(dead_peer_worker, ws, pg_timeout_s=PG_TIMEOUT_S, expect_exit={1},
@@ -365,7 +365,7 @@ def kill_worker(rank, ws, moment, sig, store_dir):
     return seen, fds0, fd_count(), maps0, tide_mappings()
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", [2, pytest.param(3, marks=pytest.mark.one_torch)])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("moment", ["start-up", "mid-collective", "destroy"])
 def test_killed_rank_leaves_nothing_behind(moment, sig, ws, tmp_path):

@@ -123,6 +123,7 @@ def test_llama_on_one_node_every_variant(tmp_path):
         assert words in out, out
 
 
+@pytest.mark.one_torch
 def test_moe_across_pseudo_nodes(tmp_path):
     """Qwen3-30B-A3B's MoE blocks over two pseudo-nodes of one rank (gloo between them), with
     the multi-tensor AdamW (the other tests run the default, fused)."""

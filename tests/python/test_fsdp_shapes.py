@@ -127,6 +127,7 @@ def hsdp_worker(rank, ws, replicate, shard, zero_copy=True):
     return dict(losses=losses, params=full_params(model), paths=tide_paths())
 
 
+@pytest.mark.one_torch
 @pytest.mark.parametrize("replicate, shard", [(2, 3), (4, 1)])
 def test_hsdp_shapes(replicate, shard):
     ws = replicate * shard
@@ -157,7 +158,7 @@ def world_worker(rank, ws, zero_copy=True):
     return dict(losses=losses, params=full_params(model), paths=tide_paths())
 
 
-@pytest.mark.parametrize("ws", [1, 5, 8])
+@pytest.mark.parametrize("ws", [1, pytest.param(5, marks=pytest.mark.one_torch), pytest.param(8, marks=pytest.mark.one_torch)])
 def test_world_sizes(ws):
     tide_run = run_ranks(world_worker, ws, timeout=600)
     stock = run_ranks(world_worker, ws, kwargs=dict(zero_copy=False), backend="gloo", timeout=600)
@@ -216,6 +217,7 @@ def many_params_worker(rank, ws, zero_copy=True):
                 planning_s=planning_s, planning_bytes=planning_bytes)
 
 
+@pytest.mark.one_torch
 def test_one_group_of_more_than_2000_parameters():
     tide_run = run_ranks(many_params_worker, 2, timeout=600)
     stock = run_ranks(many_params_worker, 2, kwargs=dict(zero_copy=False), backend="gloo", timeout=600)

@@ -67,6 +67,7 @@ def test_fsdp2_with_torchrun_across_two_hosts(tmp_path):
     assert_memory_stays_in_nodes([tide[r]["inodes"] for r in range(4)], PER_HOST)
 
 
+@pytest.mark.one_torch
 @pytest.mark.parametrize("mode,pg_timeout", [("die", 20), ("hang", 8)])
 def test_a_failed_host_is_a_dist_backend_error_on_every_survivor(tmp_path, mode, pg_timeout):
     """The second host's ranks are SIGKILLed ("die": their sockets close) or SIGSTOPped

@@ -106,7 +106,8 @@ def collectives_worker(rank, ws, want_nodes):
     return failures, memfd_inodes()
 
 
-@pytest.mark.parametrize("ws,local,nodes", [(4, 2, 2), (3, 1, 3), (6, 3, 2)])
+@pytest.mark.parametrize("ws,local,nodes", [(4, 2, 2), pytest.param(3, 1, 3, marks=pytest.mark.one_torch),
+                                            pytest.param(6, 3, 2, marks=pytest.mark.one_torch)])
 def test_standard_collectives_across_pseudo_nodes(monkeypatch, ws, local, nodes):
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", str(local))
     results = run_ranks(collectives_worker, ws, nodes)
@@ -190,10 +191,13 @@ def _reference_train_worker(rank, ws, local, bf16):
 
 
 @pytest.mark.parametrize("ws,local,bf16,private_shm", [
-    (4, 2, False, False), (6, 2, False, False), (6, 3, False, False), (3, 1, False, False),
-    (4, 2, True, False), (6, 3, True, False),
-    (3, 1, True, False),  # one rank per node: bf16 node partials between the nodes
-    (4, 2, False, True),  # each rank in its own mount namespace with a private /dev/shm
+    (4, 2, False, False), pytest.param(6, 2, False, False, marks=pytest.mark.one_torch),
+    pytest.param(6, 3, False, False, marks=pytest.mark.one_torch), (3, 1, False, False),
+    (4, 2, True, False), pytest.param(6, 3, True, False, marks=pytest.mark.one_torch),
+    # one rank per node: bf16 node partials between the nodes
+    pytest.param(3, 1, True, False, marks=pytest.mark.one_torch),
+    # each rank in its own mount namespace with a private /dev/shm
+    pytest.param(4, 2, False, True, marks=pytest.mark.one_torch),
 ])
 def test_fsdp2_across_pseudo_nodes_matches_the_documented_order(monkeypatch, ws, local, bf16, private_shm):
     """FSDP2 on pseudo-nodes with TIDE-AG and TIDE-RS across nodes (gloo between them, node
@@ -305,7 +309,7 @@ def _direct_reduce_scatter_worker(rank, ws, local):
                 max_err=(out.double() - want).abs().max().item())
 
 
-@pytest.mark.parametrize("ws,local", [(4, 2), (6, 2), (3, 1)])
+@pytest.mark.parametrize("ws,local", [(4, 2), pytest.param(6, 2, marks=pytest.mark.one_torch), (3, 1)])
 def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
     """The step-time model's TIDE-RS NIC bytes per rank (tide_reducescatter_traffic: the node
     partials of the other nodes' rail ranks: fp32, bf16 at one rank per node) equal what the

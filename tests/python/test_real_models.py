@@ -64,6 +64,7 @@ def test_transformers_at_two_ranks_bitwise_equal_to_stock_fsdp2_on_gloo(family, 
         assert_params_equal(tide_run[r]["params"], stock[r]["params"], f"{family} rank {r}")
 
 
+@pytest.mark.one_torch
 @pytest.mark.parametrize("ws, family, bf16", [(3, "qwen2", True), (4, "llama", False)])
 def test_transformers_at_three_and_four_ranks(ws, family, bf16):
     kwargs = dict(family=family, tied=True, bf16=bf16, checkpointing=True)
