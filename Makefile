@@ -20,7 +20,8 @@ COMPAT_SUITES := tests/python/test_backend_ops.py tests/python/test_backend_fail
 	tests/python/test_real_models.py tests/python/test_checkpoint.py tests/python/test_fsdp_features.py \
 	tests/python/test_fsdp_shapes.py tests/python/test_imports.py tests/python/test_examples.py \
 	tests/python/test_bench_step.py
-CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) >/dev/null
+CONFIGURE := cmake -S . -B $$TIDE_BUILD -G Ninja -DTIDE_NCCL_HINT="$$TIDE_NCCL_HINT" -DPython3_EXECUTABLE=$$(command -v python) \
+	-DTIDE_CORE_LIBRARY="$${TIDE_CORE_LIBRARY:-}" >/dev/null
 
 .PHONY: all build build-asan test test-cpp test-asan test-python test-compat demo bench clean
 all: build
@@ -40,11 +41,13 @@ test-asan: build-asan
 test-python: build
 	@$(ENV) python -m pytest -q tests/python
 
-# The compat torch builds only what differs per torch (tide._C), then runs COMPAT_SUITES less
-# the cases marked one_torch (pyproject.toml: more sizes of the same C++; pytest counts them
-# as deselected).
-test-compat:
-	@TIDE_TORCH=$(COMPAT_TORCH) $(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS) --target tide_C && echo "== torch $$(python -c "import torch; print(torch.__version__)")" && python -m pytest -q -m "not one_torch" $(COMPAT_SUITES)'
+# The compat torch builds only what differs per torch (tide._C and tide_cuda, whose NCCL header
+# is the one that torch ships) and links the default torch's tide_core, then runs COMPAT_SUITES
+# less the cases marked one_torch (pyproject.toml: more sizes of the same C++; pytest counts
+# them as deselected).
+test-compat: build
+	@export TIDE_CORE_LIBRARY=$$($(ENV) bash -c 'echo $$TIDE_BUILD')/libtide_core.a; \
+	TIDE_TORCH=$(COMPAT_TORCH) $(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS) --target tide_C && echo "== torch $$(python -c "import torch; print(torch.__version__)")" && python -m pytest -q -m "not one_torch" $(COMPAT_SUITES)'
 
 # Runs every suite even when one fails, and fails if any did.
 test:

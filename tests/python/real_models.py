@@ -18,14 +18,14 @@ ADAMW_LR = 1e-3
 ADAMW_SUM_ORDER_ATOL = 1e-4
 
 
-def hf_model(family: str, tied: bool, checkpointing: bool = False, meta: bool = False):
+def hf_model(family: str, tied: bool, checkpointing: bool = False, meta: bool = False, layers: int | None = None):
     import transformers
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[family]
-    cfg = cfg_cls(tie_word_embeddings=tied, **HF_SHAPE)
+    cfg = cfg_cls(tie_word_embeddings=tied, **{**HF_SHAPE, **({} if layers is None else dict(num_hidden_layers=layers))})
     torch.manual_seed(0)
     if meta:
         with torch.device("meta"):

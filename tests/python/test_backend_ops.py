@@ -63,13 +63,14 @@ def reference(inputs, op: str, factor: float, out_dtype: torch.dtype):
         return stack.any(0) if op in ("sum", "max") else stack.all(0)
     if inputs[0].dtype in INT_TYPES:
         s = torch.stack([x.long() for x in inputs])
-        r = {"sum": s.sum(0), "max": s.max(0).values, "min": s.min(0).values,
-             "product": s.prod(0),
-             "avg": torch.div(s.sum(0), len(inputs), rounding_mode="trunc")}[op]
+        r = {"sum": lambda: s.sum(0), "max": lambda: s.max(0).values, "min": lambda: s.min(0).values,
+             "product": lambda: s.prod(0),
+             "avg": lambda: torch.div(s.sum(0), len(inputs), rounding_mode="trunc")}[op]()
         return r.to(out_dtype)
     s = torch.stack([x.double() for x in inputs])
-    r = {"sum": s.sum(0), "avg": s.sum(0) / len(inputs), "max": s.max(0).values,
-         "min": s.min(0).values, "product": s.prod(0), "premul_sum": (s * factor).sum(0)}[op]
+    r = {"sum": lambda: s.sum(0), "avg": lambda: s.sum(0) / len(inputs), "max": lambda: s.max(0).values,
+         "min": lambda: s.min(0).values, "product": lambda: s.prod(0),
+         "premul_sum": lambda: (s * factor).sum(0)}[op]()
     return r.to(out_dtype)
 
 
@@ -125,17 +126,20 @@ def reduction_worker(rank, ws):
         dist.reduce(t, dst=root, op=reduce_op(op, factor))
         check(failures, f"reduce {tag}", t, want if rank == root else ins[rank])
 
-        # reduce_scatter_tensor: rank r's input is ws slices; slice s goes to rank s.
-        rs_in = [make_input(seed + 7, r, numel * ws, dtype, op) for r in range(ws)]
-        rs_want = reference(rs_in, op, factor, dtype).chunk(ws) if numel else [torch.empty(0, dtype=dtype)] * ws
+        # reduce_scatter_tensor: rank r's input is ws slices; slice s goes to rank s. Each slice
+        # has its own seed, so a rank makes its own ws slices and only slice `rank` of the others.
+        def rs_slice(r, s):
+            return make_input((seed + 7) * 16 + s, r, numel, dtype, op)
+
+        rs_mine = [rs_slice(rank, s) for s in range(ws)]
+        rs_want = reference([rs_slice(r, rank) for r in range(ws)], op, factor, dtype)
         out = torch.empty(numel, dtype=dtype)
-        dist.reduce_scatter_tensor(out, rs_in[rank], op=reduce_op(op, factor))
-        check(failures, f"reduce_scatter_tensor {tag}", out, rs_want[rank])
+        dist.reduce_scatter_tensor(out, torch.cat(rs_mine), op=reduce_op(op, factor))
+        check(failures, f"reduce_scatter_tensor {tag}", out, rs_want)
 
         out = torch.empty(numel, dtype=dtype)
-        dist.reduce_scatter(out, list(rs_in[rank].chunk(ws)) if numel else
-                            [torch.empty(0, dtype=dtype)] * ws, op=reduce_op(op, factor))
-        check(failures, f"reduce_scatter {tag}", out, rs_want[rank])
+        dist.reduce_scatter(out, rs_mine, op=reduce_op(op, factor))
+        check(failures, f"reduce_scatter {tag}", out, rs_want)
 
         if dtype == torch.float32 and op == "sum":
             # tide sums in rank order 0..ws-1: bitwise equal to that fp32 sum everywhere.
