@@ -141,16 +141,23 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
 
   // Across nodes, per window in flight (two: window k's partials travel while window k + 1's
   // node phase runs), N partials of one destination's part of a window each, for my rail's
-  // rank on every node (this node's sums), then N received (every node's partial of my shard).
+  // rank on every node (this node's sums), then N - 1 received (the other nodes' partials of
+  // my shard). Where every piece is sent straight from the gradient, no partial is made here.
+  bool all_direct = from_grads;
+  for (const plan::RsChunk& chunk : pipe.chunks)
+    for (const plan::RsPiece& pc : chunk.pieces) all_direct = all_direct && plan::contiguous(pc.grad);
+  const size_t made = all_direct ? 0 : static_cast<size_t>(N), per_window = made + static_cast<size_t>(N - 1);
   const size_t part_bytes = round_up(static_cast<size_t>(pipe.widest_window()) * pes, node.piece_align());
   const size_t windows_in_flight = one_node ? 0 : std::min<size_t>(2, pipe.chunks.size());
-  report.partial_bytes = windows_in_flight * 2 * static_cast<size_t>(N) * part_bytes;
+  report.partial_bytes = windows_in_flight * per_window * part_bytes;
   std::shared_ptr<std::byte> partials;
   if (report.partial_bytes) partials = node.partials(report.partial_bytes);
   auto partial = [&](size_t window, int of_node) {
-    return partials.get() + ((window % 2) * 2 * static_cast<size_t>(N) + static_cast<size_t>(of_node)) * part_bytes;
+    return partials.get() + ((window % 2) * per_window + static_cast<size_t>(of_node)) * part_bytes;
   };
-  auto received = [&](size_t window, int of_node) { return partial(window, of_node) + N * part_bytes; };
+  auto received = [&](size_t window, int of_node) {  // never from my own node
+    return partials.get() + ((window % 2) * per_window + made + static_cast<size_t>(of_node - (of_node > my_node))) * part_bytes;
+  };
   // What a failed exchange's late delivery may still touch: the partials, and the gradients
   // where they are sent from.
   std::shared_ptr<const void> engine_alive = partials;
@@ -208,8 +215,10 @@ StagingReport run(const ParamReduceScatter& a, const TwoLevel& group, RsNode& no
         const bool direct = plan::contiguous(pc.grad);
         sums.push_back({p, d, pc.shard_begin, pc.shard_end, pc.staging_offset,
                         direct ? grad + static_cast<size_t>(pc.grad[0].offset) * ges : nullptr});
-        int64_t& ext = extent[static_cast<size_t>(topo.node_of(d))];
-        ext = std::max(ext, pc.staging_offset + pc.shard_end - pc.shard_begin);
+        if (!from_grads) {  // one message per node pair: the partial's span
+          int64_t& ext = extent[static_cast<size_t>(topo.node_of(d))];
+          ext = std::max(ext, pc.staging_offset + pc.shard_end - pc.shard_begin);
+        }
         if (direct) continue;
       }
       stage_slices(ops, my_slot + static_cast<size_t>(d) * piece + static_cast<size_t>(pc.staging_offset) * ges, grad,

@@ -9,6 +9,7 @@
 // premul_sum, with and without Slot-Reuse, with staging small enough that windows wrap.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 
@@ -67,6 +68,14 @@ class StoreEngine final : public Engine {
   int64_t bytes_ = 0;
 };
 
+// The sanitizer build runs every topology with the thinned case list below: it looks for
+// memory errors, which every op and dtype pair still reach; the full list runs unsanitized.
+#ifdef __SANITIZE_ADDRESS__
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
 CommOptions opts() {
   CommOptions o;
   o.timeout = std::chrono::seconds(30);
@@ -75,8 +84,8 @@ CommOptions opts() {
   return o;
 }
 
-// Returns the bytes it sent straight from the gradients.
-size_t node_rs_case(Rank& rk, Comm& node, StoreEngine& engine, const plan::Topology& topo, DType gd, DType od,
+// Returns its staging report (direct_bytes: what it sent straight from the gradients).
+StagingReport node_rs_case(Rank& rk, Comm& node, StoreEngine& engine, const plan::Topology& topo, DType gd, DType od,
                   ReduceArgs op, uint64_t tag, bool reuse, bool from_grads) {
   const int ws = topo.world_size, me = rk.rank;
   const RsCase rc(tag, ws, me, gd);
@@ -114,7 +123,7 @@ size_t node_rs_case(Rank& rk, Comm& node, StoreEngine& engine, const plan::Topol
   }
 
   check_documented_order(rc, out.data(), od, op, topo, me);
-  return rep.direct_bytes;
+  return rep;
 }
 
 void run_topology(int num_nodes, int local) {
@@ -133,17 +142,42 @@ void run_topology(int num_nodes, int local) {
                              {DType::bf16, DType::bf16}}) {
         int op_index = 0;
         for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::premul_sum}) {
-          // Fewer cases at the larger topologies (every case is a full collective): one op per
-          // dtype pair, in turn, so that every op and every pair still runs.
-          if (topo.world_size > 4 && op_index++ != pair % 3) continue;
+          // Fewer cases at the larger topologies (every case is a full collective) and under the
+          // sanitizers: one op per dtype pair, in turn, so that every op and every pair still runs.
+          if ((topo.world_size > 4 || kSanitized) && op_index++ != pair % 3) continue;
           // Every other case holds the gradients for the engine (direct sends at one rank per node).
-          direct += node_rs_case(rk, *node, engine, topo, gd, od, {op, 0.37}, tag = mix(tag, 11), reuse, n++ % 2 == 0);
+          direct += node_rs_case(rk, *node, engine, topo, gd, od, {op, 0.37}, tag = mix(tag, 11), reuse, n++ % 2 == 0)
+                        .direct_bytes;
         }
         ++pair;
       }
     }
     if (num_nodes > 1) TIDE_REQUIRE(engine.bytes() > 0, "no byte went through the engine");
     if (num_nodes > 1 && local == 1) TIDE_REQUIRE(direct > 0, "no byte was sent straight from a gradient");
+    // The partials' buffer, one case with gradients held and not: where no parameter is
+    // Shard(1) every piece leaves straight from the gradient, and only the N - 1 received
+    // partials of a window are allocated, not the 2N - 1 of the copying path. (At 2 and 3
+    // nodes: two node counts show the formula, and each case is a full collective.)
+    if (local == 1 && (num_nodes == 2 || num_nodes == 3)) {
+      for (bool shard1 : {false, true}) {
+        uint64_t t = tag;
+        auto has_shard1 = [&](uint64_t c) {
+          const RsCase probe(c, topo.world_size, rk.rank, DType::f32);
+          return std::any_of(probe.params.begin(), probe.params.end(), [](const plan::Param& p) { return p.shard_dim == 1; });
+        };
+        while (has_shard1(t = mix(t, 13)) != shard1) {
+        }
+        const ReduceArgs sum{ReduceOp::sum, 0.37};
+        const size_t held = node_rs_case(rk, *node, engine, topo, DType::f32, DType::f32, sum, t, false, true).partial_bytes;
+        const size_t copied = node_rs_case(rk, *node, engine, topo, DType::f32, DType::f32, sum, t, false, false).partial_bytes;
+        const size_t nn = static_cast<size_t>(num_nodes);
+        // (A Shard(1) piece inside one row is contiguous too: there either size is right.)
+        const bool received_only = held * (2 * nn - 1) == copied * (nn - 1);
+        TIDE_REQUIRE(copied > 0 && (received_only || (shard1 && held == copied)),
+                     "partial bytes ", held, " with the gradients held, ", copied, " without, at ", num_nodes,
+                     " nodes", shard1 ? " (a Shard(1) parameter)" : "");
+      }
+    }
   }, std::chrono::seconds(120));
   EXPECT_TRUE(all_ok(out)) << num_nodes << " nodes x " << local << "\n" << describe(out);
 }
