@@ -1,5 +1,6 @@
 // tide._C: the torch-facing extension. Each bind_* lives beside what it binds.
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "tide/error.hpp"
 #ifdef TIDE_WITH_CUDA
