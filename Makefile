@@ -49,9 +49,14 @@ test-compat: build
 	@export TIDE_CORE_LIBRARY=$$($(ENV) bash -c 'echo $$TIDE_BUILD')/libtide_core.a; \
 	TIDE_TORCH=$(COMPAT_TORCH) $(ENV) bash -c '$(CONFIGURE) && cmake --build $$TIDE_BUILD -j $(JOBS) --target tide_C && echo "== torch $$(python -c "import torch; print(torch.__version__)")" && python -m pytest -q -m "not one_torch" $(COMPAT_SUITES)'
 
-# Runs every suite even when one fails, and fails if any did.
+# Runs every suite even when one fails, and fails if any did. On a fresh machine the compat
+# torch's environment (several GB from the package index) is made in the background once the
+# default one is ready, while the default torch's suites build and run; test-compat then waits
+# on scripts/bootstrap's lock (and makes it itself, with its errors, if the background one failed).
 test:
 	@rc=0; \
+	$(ENV) true || rc=1; \
+	mkdir -p build; TIDE_TORCH=$(COMPAT_TORCH) scripts/bootstrap >build/compat-env.log 2>&1 & \
 	$(MAKE) --no-print-directory test-cpp || rc=1; \
 	$(MAKE) --no-print-directory test-asan || rc=1; \
 	$(MAKE) --no-print-directory test-python || rc=1; \
