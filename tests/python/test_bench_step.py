@@ -87,6 +87,20 @@ def _check_against_stock(report, precisions, impls=("tide",)):
             assert r["step_ms"]["median"] > 0 and r["tokens_per_s"] > 0 and r["peak_bytes"] > 0
             assert r["breakdown"]["layout copies"] == 0.0 < stock["breakdown"]["layout copies"]
         assert len(set(stock["losses"])) > 1  # the losses move: the steps train
+    _check_cpu(report)
+
+
+def _check_cpu(report):
+    """Every variant's CPU per step: its ranks compute (user time), and the floor, their CPU
+    over the host's cores, cannot exceed the wall time the cores had in the step (the step
+    windows start together after a barrier; slack for their ends)."""
+    for key, r in report["results"].items():
+        if "step_ms" not in r:
+            continue
+        c = r["cpu"]
+        assert c["hosts"] == 1 and c["cores"] == len(os.sched_getaffinity(0)), (key, c)
+        assert c["user_ms"] > 0 and c["system_ms"] >= 0, (key, c)
+        assert 0 < c["floor_ms"] <= 1.25 * r["step_ms"]["max"] + 1.0, (key, c, r["step_ms"])
 
 
 def test_llama_on_one_node_every_variant(tmp_path):
@@ -198,6 +212,26 @@ def test_uncovered_time_against_a_unit_grid():
         cells = sum(1 for t in range(80) if any(a <= t < b for a, b in spans)
                     and not any(a <= t < b for a, b in cover))
         assert _uncovered_us(spans, cover) == cells, (spans, cover)
+
+
+def test_cpu_floor_by_hand():
+    """cpu_account on two hosts: medians per rank over its steps, means over ranks, and the
+    floor from the host whose ranks' CPU over the union of their cores is the largest."""
+    from tide.bench.step import cpu_account
+
+    def rank(host, cpus, steps):
+        return dict(host=host, cpus=cpus, cpu_ms=steps)
+
+    ranks = [rank("a", [0], [(10.0, 1.0), (30.0, 3.0), (20.0, 2.0)]),  # medians 20, 2
+             rank("a", [1], [(40.0, 0.0), (40.0, 0.0)]),  # 40, 0
+             rank("b", [0, 1, 2, 3], [(50.0, 10.0)]),  # 50, 10
+             rank("b", [2, 3], [(70.0, 10.0)])]  # 70, 10
+    c = cpu_account(ranks)
+    assert c["user_ms"] == (20 + 40 + 50 + 70) / 4 and c["system_ms"] == (2 + 0 + 10 + 10) / 4
+    # host a: 62 ms over 2 cores = 31; host b: 140 ms over 4 cores = 35
+    assert (c["floor_ms"], c["cores"], c["hosts"]) == (35.0, 4, 2)
+    ranks[0]["cpu_ms"] = [(60.0, 8.0)]  # host a: 108 / 2 = 54 is now the busiest
+    assert (cpu_account(ranks)["floor_ms"], cpu_account(ranks)["cores"]) == (54.0, 2)
 
 
 def test_a_missing_knob_is_named_once_over_rounds():

@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import tempfile
@@ -380,13 +381,19 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-        step_ms, losses = [], []
+        step_ms, losses, cpu_ms = [], [], []
         for i in range(args.warmup + args.steps):
             dist.barrier(group=groups["meta"])  # every rank starts the step together
+            # The process's CPU, every thread's (gloo's, the backend's worker, the kernel's
+            # work in their system calls): on CPUs the cores it leaves idle bound the step.
+            u0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             loss = step(i)
             sync()
             elapsed = (time.perf_counter() - t0) * 1e3
+            u1 = resource.getrusage(resource.RUSAGE_SELF)
+            if i >= args.warmup:
+                cpu_ms.append(((u1.ru_utime - u0.ru_utime) * 1e3, (u1.ru_stime - u0.ru_stime) * 1e3))
             losses.append(loss.item())
             if i >= args.warmup:
                 step_ms.append(elapsed)
@@ -416,7 +423,8 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
             torch.cuda.synchronize(device)
             tide.fsdp.release_cuda_pools()
             torch.cuda.empty_cache()
-        return dict(step_ms=step_ms, losses=losses, peak_bytes=peak, device_used_growth=used_growth, records=records,
+        return dict(step_ms=step_ms, cpu_ms=cpu_ms, host=platform.node(), cpus=sorted(os.sched_getaffinity(0)),
+                    losses=losses, peak_bytes=peak, device_used_growth=used_growth, records=records,
                     profiled_ms=profiled_ms, gpu=gpu, paths=paths)
     finally:
         if old_reuse is None:
@@ -433,9 +441,10 @@ def merge_rounds(rounds: list[dict]) -> dict:
     """One rank's measurements of a variant over its rounds: every round's timed steps, the
     first round's losses (each round trains from the same weights on the same batches; every
     round's kept, to show they agree), the last round's profiled steps, the highest peak, the
-    FSDP2 paths taken in all."""
+    FSDP2 paths taken in all, every round's CPU per step."""
     first = rounds[0]
-    return dict(step_ms=[ms for r in rounds for ms in r["step_ms"]], losses=first["losses"],
+    return dict(step_ms=[ms for r in rounds for ms in r["step_ms"]], cpu_ms=[c for r in rounds for c in r["cpu_ms"]],
+                host=first["host"], cpus=first["cpus"], losses=first["losses"],
                 round_losses=[r["losses"] for r in rounds],
                 peak_bytes=max(r["peak_bytes"] for r in rounds),
                 device_used_growth=max(r["device_used_growth"] for r in rounds),
@@ -448,7 +457,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
 def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
     """Step time of the slowest rank per step (median, min, max over the timed steps),
     tokens/s of the whole group, the profiled steps' breakdown (mean over ranks and steps),
-    peak memory (the largest rank's), losses (mean over ranks, per step; and per round)."""
+    peak memory (the largest rank's), losses (mean over ranks, per step; and per round); on
+    CPUs, the CPU the ranks used per step and the floor it sets (cpu_account)."""
     from tide import demo
 
     def mean_losses(of_rank):
@@ -468,6 +478,8 @@ def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
                losses=mean_losses(lambda r: r["losses"]),
                round_losses=[mean_losses(lambda r, k=k: r["round_losses"][k]) for k in range(len(ranks[0]["round_losses"]))],
                paths=ranks[0]["paths"])
+    if not ranks[0]["gpu"] and ranks[0]["cpu_ms"]:
+        out["cpu"] = cpu_account(ranks)
     if ranks[0]["gpu"]:
         out["gpu"] = dict(
             exposed_comm_ms=statistics.fmean(g["exposed_comm_ms"] for r in ranks for g in r["gpu"]),
@@ -475,6 +487,25 @@ def summarize(ranks: list[dict], tokens_per_gpu: int) -> dict:
             comm_sms=max(g["comm_sms"] for r in ranks for g in r["gpu"]),
             comm_kernels=ranks[0]["gpu"][-1]["comm_kernels"])
     return out
+
+
+def cpu_account(ranks: list[dict]) -> dict:
+    """CPU per timed step (user and system time of every thread of a rank's process, the
+    median over its steps, the mean over ranks) and the floor it sets on the step: on each
+    host, its ranks' CPU per step over the cores they may run on (the union of their
+    affinities); the step is at least the largest, and idle cores make up the rest."""
+    def median(r, i):
+        return statistics.median(c[i] for c in r["cpu_ms"])
+
+    used: dict = {}
+    cpus: dict = {}
+    for r in ranks:
+        used[r["host"]] = used.get(r["host"], 0.0) + median(r, 0) + median(r, 1)
+        cpus.setdefault(r["host"], set()).update(r["cpus"])
+    busiest = max(used, key=lambda h: used[h] / len(cpus[h]))
+    return dict(user_ms=statistics.fmean(median(r, 0) for r in ranks),
+                system_ms=statistics.fmean(median(r, 1) for r in ranks),
+                floor_ms=used[busiest] / len(cpus[busiest]), cores=len(cpus[busiest]), hosts=len(used))
 
 
 def exposed_comm_ms(res: dict) -> float:
@@ -596,6 +627,16 @@ def format_report(report: dict) -> str:
     if any(k.startswith("bound") for k in results):
         lines.append("bound: the model unsharded on every rank from the same weights, forward + backward + AdamW "
                      "over a shard's worth of fp32 parameters; no collective, no FSDP2: the floor of every variant")
+    cpu_rows = [(k, r) for k, r in results.items() if "cpu" in r]
+    if cpu_rows:
+        c0 = cpu_rows[0][1]["cpu"]
+        lines.append(f"CPU per step, every thread of a rank (median over steps, mean over ranks), and the floor it "
+                     f"sets: the ranks' CPU over the {c0['cores']} cores of "
+                     + ("their host" if c0["hosts"] == 1 else "the busiest host") + " (the step's idle cores are the rest):")
+        for key, res in cpu_rows:
+            c = res["cpu"]
+            lines.append(f"  {report['labels'][key]:<32} user {c['user_ms']:6.1f} ms  system {c['system_ms']:5.1f} ms  "
+                         f"floor {c['floor_ms']:6.1f} ms  (step {res['step_ms']['median']:.1f})")
     gpu_rows = [(k, r) for k, r in results.items() if "gpu" in r]
     if gpu_rows:
         lines.append("device memory in use, growth over the variant at step ends (cudaMemGetInfo: TIDE's "
