@@ -38,8 +38,9 @@ test-cpp: build
 test-asan: build-asan
 	@$(ENV) bash -c 'ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir $(ASAN_BUILD) --output-on-failure -j $(JOBS)'
 
+# The slowest tests are listed at the end: the suite's time on 2 cores is a budget (README).
 test-python: build
-	@$(ENV) python -m pytest -q tests/python
+	@$(ENV) python -m pytest -q --durations=15 tests/python
 
 # The compat torch builds only what differs per torch (tide._C and tide_cuda, whose NCCL header
 # is the one that torch ships) and links the default torch's tide_core, then runs COMPAT_SUITES
