@@ -392,11 +392,10 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
             sync()
             elapsed = (time.perf_counter() - t0) * 1e3
             u1 = resource.getrusage(resource.RUSAGE_SELF)
-            if i >= args.warmup:
-                cpu_ms.append(((u1.ru_utime - u0.ru_utime) * 1e3, (u1.ru_stime - u0.ru_stime) * 1e3))
             losses.append(loss.item())
             if i >= args.warmup:
                 step_ms.append(elapsed)
+                cpu_ms.append(((u1.ru_utime - u0.ru_utime) * 1e3, (u1.ru_stime - u0.ru_stime) * 1e3))
             if device.type == "cuda":
                 used_growth = max(used_growth, _device_used(device) - used_before)
         peak = _peak_bytes(device, base)
@@ -494,17 +493,16 @@ def cpu_account(ranks: list[dict]) -> dict:
     median over its steps, the mean over ranks) and the floor it sets on the step: on each
     host, its ranks' CPU per step over the cores they may run on (the union of their
     affinities); the step is at least the largest, and idle cores make up the rest."""
-    def median(r, i):
-        return statistics.median(c[i] for c in r["cpu_ms"])
-
+    # (user, system) medians of each rank, in the order of ranks
+    medians = [tuple(statistics.median(c[i] for c in r["cpu_ms"]) for i in (0, 1)) for r in ranks]
     used: dict = {}
     cpus: dict = {}
-    for r in ranks:
-        used[r["host"]] = used.get(r["host"], 0.0) + median(r, 0) + median(r, 1)
+    for r, (user, system) in zip(ranks, medians):
+        used[r["host"]] = used.get(r["host"], 0.0) + user + system
         cpus.setdefault(r["host"], set()).update(r["cpus"])
     busiest = max(used, key=lambda h: used[h] / len(cpus[h]))
-    return dict(user_ms=statistics.fmean(median(r, 0) for r in ranks),
-                system_ms=statistics.fmean(median(r, 1) for r in ranks),
+    return dict(user_ms=statistics.fmean(m[0] for m in medians),
+                system_ms=statistics.fmean(m[1] for m in medians),
                 floor_ms=used[busiest] / len(cpus[busiest]), cores=len(cpus[busiest]), hosts=len(used))
 
 
