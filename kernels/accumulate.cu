@@ -37,8 +37,6 @@ int device_sms() {
 
 }  // namespace
 
-int accumulate_threads() { return body::kAccumulateThreads; }
-
 int accumulate_ctas() {
   // A malformed TIDE_RS_CTAS throws; an out-of-range one is the caller's to refuse
   // (CudaGroup: 1..1024), not silently mended here.

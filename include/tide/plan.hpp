@@ -158,11 +158,10 @@ struct Topology {
   int rank_of(int node, int local) const { return node * local_size + local; }
   bool operator==(const Topology&) const = default;
 };
-// The nodes of a group from each rank's host identity (in rank order) and a local world size
-// (0: one node per host; else LOCAL_WORLD_SIZE / TIDE_LOCAL_WORLD_SIZE, which may split a
-// host into pseudo-nodes but never join two hosts). Throws, naming the ranks and hosts, when
-// the nodes are not equal blocks of consecutive ranks.
-Topology topology_from_hosts(const std::vector<std::string>& hosts, int local_world_size);
+// The nodes of a group from each rank's host identity (in rank order): one node per host
+// (pseudo-nodes come as host identities of their own: host_keys). Throws, naming the ranks and
+// hosts, when the nodes are not equal blocks of consecutive ranks.
+Topology topology_from_hosts(const std::vector<std::string>& hosts);
 
 // ---- The all-gather across nodes (allgather_schedule.cpp) ---------------------------------
 // Two levels. inter_node: on every rail at once, the paced recursive doubling over the

@@ -98,9 +98,8 @@ class Transport {
   // from creation on (CommOptions::counter_start).
   virtual uint64_t counter_start() const { return 0; }
 
-  // All-gather of a small control record (`bytes` <= max_exchange_bytes()) into
+  // All-gather of a small control record (at most the transport's record size) into
   // all[world_size * bytes]; returns once every rank has contributed (a barrier).
-  virtual size_t max_exchange_bytes() const = 0;
   virtual void exchange(const void* mine, size_t bytes, void* all) = 0;
   void barrier() { exchange(nullptr, 0, nullptr); }
 

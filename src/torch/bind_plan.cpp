@@ -62,8 +62,6 @@ void bind_plan(pybind11::module_& parent) {
 
   m.def("plan_group", &plan_group, pybind11::arg("params"), pybind11::arg("world_size"),
         "FSDP2's sharding of a parameter group (raises RuntimeError where FSDP2 refuses)");
-  m.def("slice", &slice, pybind11::arg("pattern"), pybind11::arg("begin"), pybind11::arg("end"),
-        "the part of a pattern holding its elements [begin, end), as <= 3 patterns");
 
   pybind11::class_<AllGatherCopy>(m, "AllGatherCopy")
       .def_readonly("src_rank", &AllGatherCopy::src_rank)
@@ -110,7 +108,6 @@ void bind_plan(pybind11::module_& parent) {
       .def_readonly("num_nodes", &Topology::num_nodes)
       .def("node_of", &Topology::node_of)
       .def("local_rank", &Topology::local_rank);
-  m.def("topology_from_hosts", &topology_from_hosts, pybind11::arg("hosts"), pybind11::arg("local_world_size") = 0);
   pybind11::class_<NodeLocalCopy>(m, "NodeLocalCopy")
       .def_readonly("block", &NodeLocalCopy::block)
       .def_readonly("after_step", &NodeLocalCopy::after_step);

@@ -208,30 +208,27 @@ TEST(PlanNodeSchedule, RejectsATopologyOfAnotherGroup) {
 }
 
 TEST(PlanTopology, NodesFromHosts) {
-  const std::vector<std::string> two_hosts{"a", "a", "b", "b"};
-  EXPECT_EQ(topology_from_hosts(two_hosts, 0), (Topology{4, 2, 2}));
-  EXPECT_EQ(topology_from_hosts(two_hosts, 2), (Topology{4, 2, 2}));
-  EXPECT_EQ(topology_from_hosts(two_hosts, 1), (Topology{4, 1, 4}));  // pseudo-nodes
-  EXPECT_EQ(topology_from_hosts({"a", "a", "a", "a", "a", "a"}, 3), (Topology{6, 3, 2}));
-  EXPECT_EQ(topology_from_hosts({"a", "a", "a"}, 0), (Topology{3, 3, 1}));
-  EXPECT_EQ(topology_from_hosts({"a", "b", "c"}, 0), (Topology{3, 1, 3}));
+  EXPECT_EQ(topology_from_hosts({"a", "a", "b", "b"}), (Topology{4, 2, 2}));
+  EXPECT_EQ(topology_from_hosts({"a", "b", "c", "d"}), (Topology{4, 1, 4}));
+  EXPECT_EQ(topology_from_hosts({"a", "a", "a", "b", "b", "b"}), (Topology{6, 3, 2}));
+  EXPECT_EQ(topology_from_hosts({"a", "a", "a"}), (Topology{3, 3, 1}));
+  EXPECT_EQ(topology_from_hosts({"a", "b", "c"}), (Topology{3, 1, 3}));
 }
 
 TEST(PlanTopology, RejectsNodesThatDoNotFitTheHosts) {
-  auto message = [](const std::vector<std::string>& hosts, int local) {
+  auto message = [](const std::vector<std::string>& hosts) {
     try {
-      topology_from_hosts(hosts, local);
+      topology_from_hosts(hosts);
     } catch (const Error& e) {
       return std::string(e.what());
     }
     return std::string("no error");
   };
-  EXPECT_NE(message({"a", "a", "a", "b"}, 0).find("do not split"), std::string::npos);
-  EXPECT_NE(message({"a", "b", "a", "b"}, 0).find("consecutive"), std::string::npos);
-  EXPECT_NE(message({"a", "a", "b", "b"}, 4).find("span hosts"), std::string::npos);  // joins two hosts
-  EXPECT_NE(message({"a", "a", "a", "a"}, 3).find("do not split"), std::string::npos);
-  EXPECT_NE(message({"a", "a", "b", "b", "b", "b"}, 0).find("same number"), std::string::npos);
-  EXPECT_NE(message({"a", "a", "b", "b", "b", "b"}, 2).find("no error"), std::string::npos);
+  EXPECT_NE(message({"a", "a", "a", "b"}).find("do not split"), std::string::npos);
+  EXPECT_NE(message({"a", "b", "a", "b"}).find("consecutive"), std::string::npos);
+  EXPECT_NE(message({"a", "a", "b", "c"}).find("span hosts"), std::string::npos);  // a node of two hosts
+  EXPECT_NE(message({"a", "a", "b", "b", "b", "b"}).find("same number"), std::string::npos);
+  EXPECT_NE(message({"a", "a", "b", "b", "c", "c"}).find("no error"), std::string::npos);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Capability probing and the all-gather path decision. The decision is pure logic over a
 // Capabilities value, so it is tested here on hand-made capabilities (runs without a GPU);
-// probe() itself runs in a child process in test_cuda_collectives.cpp (CudaProbe).
+// probe() itself runs in a child process in test_cuda_collectives.cpp (CudaProbe.RunsAndPicksAPath).
 #include <gtest/gtest.h>
 
 #include "tide/cuda/probe.hpp"

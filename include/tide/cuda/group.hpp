@@ -83,9 +83,6 @@ class CudaGroup {
   int rank() const { return rank_; }
   int world_size() const { return ws_; }
   int device() const { return device_; }
-  SyncMode sync_mode() const { return mode_; }
-  const CudaGroupOptions& options() const { return opt_; }
-  const Capabilities& caps() const { return caps_; }
   const PathChoice& allgather_path() const { return ag_path_; }
   // The modes this group actually took, each of which falls back silently-but-logged where
   // the device refuses: "flags=device|host copies=batched|single memory=vmm|ipc" (copies:
@@ -130,8 +127,8 @@ class CudaGroup {
   // Starts a collective: checks the group is usable, makes `work` streams wait for what the
   // caller enqueued on `caller` before the call.
   void begin(const char* collective, cudaStream_t caller, std::initializer_list<cudaStream_t> work);
-  // Ends it: `caller` waits for the work streams; with options().blocking the host waits too
-  // (deadline: options().timeout).
+  // Ends it: `caller` waits for the work streams; with CudaGroupOptions::blocking the host waits
+  // too (deadline: CudaGroupOptions::timeout).
   void end(cudaStream_t caller, std::initializer_list<cudaStream_t> work);
   void fail(const std::string& why);  // marks the group unusable and throws TimeoutError
 

@@ -36,10 +36,9 @@ cudaError_t launch_accumulate_f32_groups(int groups_per_thread, float* dst, cons
                                          cudaStream_t stream);
 
 // The accumulation's provisioning on the current device: CTAs enough to stream HBM (one
-// per 8 SMs, at least 4: 16 on an H200's 132 SMs) of accumulate_threads() threads, few
+// per 8 SMs, at least 4: 16 on an H200's 132 SMs) of 512 threads, few
 // enough to leave the SMs to compute. TIDE_RS_CTAS overrides the CTA count.
 int accumulate_ctas();
-int accumulate_threads();
 
 // Bytes the accumulation launches of this process read from sources with vector loads and
 // element by element (the benchmark reports the vectorized fraction).

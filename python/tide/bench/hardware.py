@@ -40,11 +40,6 @@ class Hardware:
     gemm_tile: tuple = (128, 256)  # output tile of one CTA of a Hopper bf16 GEMM
     measured: dict = field(default_factory=dict)  # calibration keys that replaced presets
 
-    @property
-    def per_sm_stream_GBps(self) -> float:
-        """Read+write bytes per second one SM streams when every SM streams (HBM share)."""
-        return self.hbm_copy_GBps / self.sm_count
-
     def replace(self, **kw) -> "Hardware":
         return dataclasses.replace(self, **kw)
 

@@ -335,8 +335,6 @@ class UnitCost:
     copy_rs: float = 0.0  # chunk_cat before each reduce-scatter
     acc: float = 0.0  # TIDE accumulation CTAs per reduce-scatter (GPU time)
     acc_bytes: float = 0.0
-    slow_fwd: float = 1.0
-    slow_bwd: float = 1.0
     bytes: dict = field(default_factory=dict)
 
 
@@ -388,8 +386,6 @@ def simulate(impl: str, wl: wlmod.Workload, hw: Hardware, opt: Options) -> dict:
     Exposed: the first all-gathers, the last reduce-scatters, the optimizer step."""
     costs = [unit_cost(impl, u, hw, opt) for u in wl.units]
     root, blocks = costs[0], costs[1:]
-    for c, u in zip(costs, wl.units):
-        c.slow_fwd = unit_slowdown(u, hw, max(c.ag_ctas, 0))
     comp = {"compute": 0.0, "interference": 0.0, "layout_copies": 0.0, "rs_ctas": 0.0,
             "exposed_comm": 0.0, "optimizer": 0.0}
     sm_time = {"rs": 0.0, "ag": 0.0}

@@ -16,7 +16,6 @@ constexpr size_t kBatchMax = 1024;
 
 void CopyBatch::add(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height) {
   if (width == 0 || height == 0) return;
-  bytes_ += width * height;
   if (height == 1 || (dst_pitch == width && src_pitch == width)) {
     dst_.push_back(dst);
     src_.push_back(src);

@@ -17,7 +17,6 @@ class CopyBatch {
   void add(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height);
   void add(void* dst, const void* src, size_t bytes) { add(dst, bytes, src, bytes, bytes, 1); }
   void flush();  // submits the collected contiguous copies
-  size_t submitted_bytes() const { return bytes_; }
 
  private:
   cudaStream_t stream_;
@@ -25,7 +24,6 @@ class CopyBatch {
   std::vector<void*> dst_;
   std::vector<const void*> src_;
   std::vector<size_t> size_;
-  size_t bytes_ = 0;
 };
 
 }  // namespace tide::cuda::detail

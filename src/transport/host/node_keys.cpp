@@ -64,7 +64,7 @@ GroupNodes discover_nodes(Store& store, const std::string& ns, int rank, int wor
     return out;
   }
   try {
-    out.topology = plan::topology_from_hosts(keys, 0);
+    out.topology = plan::topology_from_hosts(keys);
   } catch (const Error& e) {
     out.topology_error = e.what();
     return out;

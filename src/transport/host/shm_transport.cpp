@@ -467,7 +467,6 @@ class ShmTransport final : public Transport {
     }
   }
 
-  size_t max_exchange_bytes() const override { return layout_.record_bytes; }
 
   void exchange(const void* mine, size_t bytes, void* all) override {
     TIDE_CHECK(bytes <= layout_.record_bytes, "tide: control record of ", bytes, " bytes exceeds ",
