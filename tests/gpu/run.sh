@@ -134,19 +134,17 @@ bench() {
   gpu=$( (nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true) | head -1 | tr ' ' '_' | tr -cd 'A-Za-z0-9_-')
   "$carry/bin/tide_bench_cuda" "$out/cuda_${gpu:-gpu}.json" "$results"
 }
-# The paper's experiment (python -m tide.bench.step) on the one GPU: TIDE and TIDE + Slot-Reuse
-# at ws 2 (two ranks share the GPU; NCCL refuses that, so no stock NCCL variant there), then
-# stock FSDP2 on NCCL, TIDE and the bound (no communication) at ws 1 with --calibrate (the
-# model's constants measured here).
+# The paper's experiment (python -m tide.bench.step) on the one GPU, two steps: TIDE and TIDE +
+# Slot-Reuse at ws 2 (two ranks share the GPU; NCCL refuses that, so no NCCL variant there),
+# then stock FSDP2 on NCCL, TIDE and the bound (no communication) at ws 1 with --calibrate (the
+# model's constants measured here). Group timeouts (40 s) under the steps' limits.
 # No TIDE_DEBUG: its lines would be timed.
-bench_step() {
+bench_step() {  # bench_step NPROC VARIANT... [--calibrate FILE] --json FILE
   need "$TIDE_BUILD/python/tide" || return
-  local common=(--model llama3.1-70b --layers 2 --hidden-divisor 8 --tokens-per-gpu 2048 --seq-len 2048
-                --steps 3 --warmup 1)
-  TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m tide.bench.step "${common[@]}" \
-    --variants tide tide-slot-reuse --json "$out/bench_step_ws2.json" &&
-  TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m tide.bench.step "${common[@]}" \
-    --variants stock tide bound --calibrate "$out/calibration.json" --json "$out/bench_step_ws1.json"
+  local nproc=$1; shift
+  TIDE_DEBUG=0 python3 -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m tide.bench.step \
+    --model llama3.1-70b --layers 2 --hidden-divisor 8 --tokens-per-gpu 2048 --seq-len 2048 \
+    --steps 3 --warmup 1 --timeout 40 --variants "$@"
 }
 export -f need doctor gpu_pytest selftest gtests bench bench_step json_line
 export carry out strict results
@@ -170,7 +168,8 @@ step "pytest cuda" 170 gpu_pytest
 step "cuda scenarios" 60 selftest
 step "gtest probe and kernels" 30 gtests
 step "benchmarks" 30 bench
-step "bench step" 90 bench_step
+step "bench step ws2" 60 bench_step 2 tide tide-slot-reuse --json "$out/bench_step_ws2.json"
+step "bench step ws1" 60 bench_step 1 stock tide bound --calibrate "$out/calibration.json" --json "$out/bench_step_ws1.json"
 if [ "$dry" = 1 ]; then
   echo "sum of all limits: $planned s (with ${grace} s grace a step; the command's timeout_s is $device_timeout; 15 min of device time in all)"
   exit 0

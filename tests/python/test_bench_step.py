@@ -243,3 +243,84 @@ def test_a_missing_knob_is_named_once_over_rounds():
         v.note_missing("zero-CTA NCCL policy", "force-sum reduction")
         v.note_missing("force-sum reduction")
     assert v.missing_knobs == ["zero-CTA NCCL policy", "force-sum reduction"]
+
+
+_FAILING_BUILD = '''
+import sys
+from tide.bench import step
+
+build = step._build
+def failing(args, variant, groups, device):
+    import torch.distributed as dist
+    if variant.impl == "tide-slot-reuse" and dist.get_rank() == 1:
+        raise RuntimeError("injected by the test")
+    return build(args, variant, groups, device)
+step._build = failing
+sys.exit(step.main())
+'''
+
+
+def test_a_variant_that_fails_to_build_on_one_rank_is_reported_and_the_run_goes_on(tmp_path):
+    """A variant whose build raises on one rank only (a knob a torch refuses, memory) is
+    reported as failed, naming the rank and its error, on every rank; the other variants are
+    measured in every round, and the run ends (the other rank does not hang in the variant's
+    first collective)."""
+    script = tmp_path / "failing_build.py"
+    script.write_text(_FAILING_BUILD)
+    out = tmp_path / "step.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDE_")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+           "--device", "cpu", "--model", "llama3.1-70b", "--layers", "1", "--hidden-divisor", "64",
+           "--precision", "fp32", "--variants", "tide", "tide-slot-reuse", "--steps", "1", "--warmup", "1",
+           "--rounds", "2", "--profile-steps", "1", "--timeout", "60", "--json", str(out)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=slack(180))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    res = json.loads(out.read_text())["results"]
+    assert res["tide-slot-reuse-fp32"] == {"skipped": "failed to build: rank 1: RuntimeError: injected by the test"}
+    assert len(res["tide-fp32"]["step_ms"]["per_step"]) == 2  # one timed step in each of the two rounds
+    assert "failed to build: rank 1: RuntimeError: injected by the test" in p.stdout
+
+
+def _configure_best_worker(rank, world_size):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from tide.bench import step
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    variant = step.Variant("best", True)
+    step._configure_best(model, variant, dist.new_group(backend="gloo"))
+    checked = 0
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        for g in getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]:
+            validate = getattr(g, "_validate_reduce_scatter_max_input_buffers", None)
+            if validate is not None:
+                validate()  # what FSDP2's lazy init runs at the first forward: raises on a bad mix
+                checked += 1
+    return dict(missing=variant.missing_knobs, checked=checked,
+                torch_has_separate_rs=hasattr(step, "_configure_best") and any(
+                    hasattr(g, "_set_separate_reduce_scatter_group")
+                    for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                    for g in (getattr(m._get_fsdp_state(), "_fsdp_param_groups", None)
+                              or [m._get_fsdp_state()._fsdp_param_group])))
+
+
+def test_best_configured_knobs_are_set_as_this_torch_takes_them():
+    """The best-configured variant's knobs on FSDP2 modules of the running torch (CPU here; its
+    collectives are CUDA's, so only the configuration runs): no knob this torch has is left
+    out, none raises (torch 2.11 keeps one param group per FSDP state, 2.15 a list), and the
+    mix passes FSDP2's own check at lazy init (2.15 refuses several reduce-scatter input
+    buffers beside its symmetric-memory reduce-scatter: named as not combinable instead)."""
+    from dist_harness import run_ranks
+
+    out = run_ranks(_configure_best_worker, 2, backend="gloo")
+    for r in out:
+        separate = "a separate reduce-scatter group (FSDPModule.set_separate_reduce_scatter_group)"
+        assert (separate in r["missing"]) != r["torch_has_separate_rs"], r
+        if r["checked"]:  # a torch with the check (2.15): the symmetric-memory mix is named
+            assert any(k.startswith("two reduce-scatter input buffers: this torch refuses them") for k in r["missing"]), r

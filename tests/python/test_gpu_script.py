@@ -30,7 +30,7 @@ def test_dry_run_fits_the_lease():
     # the paper's experiment last.
     names = [n for n, _ in steps]
     assert names.index("pytest cuda") < names.index("cuda scenarios") < names.index("benchmarks") \
-        < names.index("bench step") == len(names) - 1
+        < names.index("bench step ws2") < names.index("bench step ws1") == len(names) - 1
     assert "carry: build/gpu-carry" in run.stdout
     unknown = subprocess.run(["bash", "tests/gpu/run.sh", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "unexpected argument" in unknown.stderr
@@ -45,12 +45,12 @@ def test_strict_run_fails_naming_every_check_it_could_not_run(tmp_path):
     run = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=ROOT, capture_output=True, text=True, env=env,
                          timeout=900)
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert run.returncode == len(summary) == 6, run.stdout[-3000:]
+    assert run.returncode == len(summary) == 7, run.stdout[-3000:]
     assert all("FAIL (" in line for line in summary), summary
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {x.get("step") for x in lines if "verdict" in x} >= {"doctor", "pytest cuda", "cuda scenarios",
                                                                 "gtest probe and kernels", "benchmarks",
-                                                                "bench step"}
+                                                                "bench step ws2", "bench step ws1"}
     assert (tmp_path / "run.log").read_text().count("== ") >= 10, "run.log holds less than the run printed"
 
 

@@ -81,17 +81,18 @@ class Variant:
 # one variant on this rank
 # --------------------------------------------------------------------------------------
 
-def _process_groups(device_type: str):
+def _process_groups(device_type: str, timeout: timedelta):
     """The groups the variants run on: stock's baseline group, the tide group (the default
-    group, as users create it) and a gloo group of this script's own bookkeeping."""
+    group, as users create it) and a gloo group of this script's own bookkeeping; every one
+    with the run's timeout (torch's default for a new group is 10 or 30 minutes)."""
     import torch.distributed as dist
 
     baseline = "nccl" if device_type == "cuda" else "gloo"
-    return dict(tide=dist.group.WORLD, baseline=dist.new_group(backend=baseline),
-                meta=dist.new_group(backend="gloo"), baseline_name=baseline)
+    return dict(tide=dist.group.WORLD, baseline=dist.new_group(backend=baseline, timeout=timeout),
+                meta=dist.new_group(backend="gloo", timeout=timeout), baseline_name=baseline, timeout=timeout)
 
 
-def _best_groups() -> dict:
+def _best_groups(timeout: timedelta) -> dict:
     """The best-configured variant's NCCL groups: FSDP2's (zero-CTA, so symmetric-memory
     all-gathers go to the copy engines, where the torch has the policy) and its separate
     reduce-scatter group (default options). Both NCCL: FSDP2's own
@@ -102,11 +103,11 @@ def _best_groups() -> dict:
     if hasattr(nccl, "NCCL_CTA_POLICY_ZERO"):
         opts = nccl.Options()
         opts.config.cta_policy = nccl.NCCL_CTA_POLICY_ZERO
-        fsdp = dist.new_group(backend="nccl", pg_options=opts)
+        fsdp = dist.new_group(backend="nccl", pg_options=opts, timeout=timeout)
     else:
         missing.append("zero-CTA NCCL policy (ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO)")
-        fsdp = dist.new_group(backend="nccl")
-    return dict(best=fsdp, best_rs=dist.new_group(backend="nccl"), best_missing=missing)
+        fsdp = dist.new_group(backend="nccl", timeout=timeout)
+    return dict(best=fsdp, best_rs=dist.new_group(backend="nccl", timeout=timeout), best_missing=missing)
 
 
 def _configure_best(model, variant: Variant, rs_group):
@@ -124,7 +125,13 @@ def _configure_best(model, variant: Variant, rs_group):
         for m in modules:
             getattr(m, method)(*args)
 
-    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    def param_groups(m):  # torch 2.15: a list per module; 2.11-2.14: at most one
+        state = m._get_fsdp_state()
+        if hasattr(state, "_fsdp_param_groups"):
+            return list(state._fsdp_param_groups)
+        return [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+
+    groups = [g for m in modules for g in param_groups(m)]
     if groups and hasattr(groups[0], "_set_separate_reduce_scatter_group"):
         ranks = tuple(dist.get_process_group_ranks(rs_group))
         for g in groups:  # FSDP2's own method, given our NCCL group for these ranks
@@ -143,7 +150,13 @@ def _configure_best(model, variant: Variant, rs_group):
         each("set_allocate_memory_from_process_group_for_comm", True)
     else:
         variant.note_missing("symmetric memory (FSDPModule.set_symm_mem_for_comm)")
-    if hasattr(model, "set_reduce_scatter_max_input_buffers"):
+    symm_rs = any(type(getattr(g, "_reduce_scatter_comm", None)).__name__ == "SymmMemReduceScatter" for g in groups)
+    if symm_rs and hasattr(model, "set_reduce_scatter_max_input_buffers"):
+        # torch refuses more than one input buffer beside the symmetric-memory reduce-scatter
+        # (its pool reuses one buffer): FSDP2 raises at the first forward.
+        variant.note_missing("two reduce-scatter input buffers: this torch refuses them with the "
+                             "symmetric-memory reduce-scatter (kept at one)")
+    elif hasattr(model, "set_reduce_scatter_max_input_buffers"):
         model.set_reduce_scatter_max_input_buffers(2)  # recurses
     else:
         variant.note_missing("two reduce-scatter input buffers (FSDPModule.set_reduce_scatter_max_input_buffers)")
@@ -346,6 +359,30 @@ def _uncovered_us(spans, cover) -> float:
     return free
 
 
+class VariantFailed(Exception):
+    """A variant that could not be built on some rank (a knob this torch refuses, memory): every
+    rank raises it, naming each rank's error, so the run reports it and goes on."""
+
+
+def _agreed(groups, build):
+    """build() on every rank, then the ranks compare outcomes over the bookkeeping group before
+    any collective of the variant: if one rank failed, every rank raises VariantFailed (a rank
+    that went on alone would hang in the variant's first collective)."""
+    import torch.distributed as dist
+
+    error, built = "", None
+    try:
+        built = build()
+    except Exception as e:  # noqa: BLE001  reported, with its rank, on every rank
+        error = f"rank {dist.get_rank()}: {type(e).__name__}: {str(e)[:300]}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error, group=groups["meta"])
+    errors = [e for e in errors if e]
+    if errors:
+        raise VariantFailed("; ".join(errors))
+    return built
+
+
 def run_variant(args, variant: Variant, groups, device) -> dict:
     """Trains `variant` for warm-up + timed + profiled steps; this rank's measurements."""
     import torch
@@ -361,12 +398,13 @@ def run_variant(args, variant: Variant, groups, device) -> dict:
     try:
         if variant.impl == "best":
             if "best" not in groups:  # once, for every round and precision
-                groups.update(_best_groups())
+                groups.update(_best_groups(groups["timeout"]))
             variant.note_missing(*groups["best_missing"])
         base = _reset_peak(device)
         used_before = _device_used(device) if device.type == "cuda" else 0
         used_growth = 0
-        model, opt = (_build_bound if variant.impl == "bound" else _build)(args, variant, groups, device)
+        build = _build_bound if variant.impl == "bound" else _build
+        model, opt = _agreed(groups, lambda: build(args, variant, groups, device))
         rank = dist.get_rank()
         tokens, seq = args.tokens_per_gpu, min(args.seq_len, args.tokens_per_gpu)
 
@@ -541,7 +579,7 @@ def prediction(args, world_size: int, local_size: int, device_name: str) -> dict
                 peak_GiB=res["peak_GiB"], peak_GiB_tide_slot_reuse=res["peak_GiB_tide_slot_reuse"])
 
 
-def measure_calibration(device, baseline_group) -> dict:
+def measure_calibration(device, baseline_group, timeout: timedelta) -> dict:
     """What this GPU measures of the model's constants: a large bf16 GEMM's rate, a
     device-to-device copy's bytes read + written per second, the SMs, the GPUs per node, and
     NCCL's all-gather bus bandwidth inside a node (over each node's GPUs)."""
@@ -571,7 +609,7 @@ def measure_calibration(device, baseline_group) -> dict:
     if local > 1 and dist.get_world_size(baseline_group) % local == 0:
         # Within each node: the group itself on one node, else one NCCL group per node.
         node = (baseline_group if dist.get_world_size(baseline_group) == local
-                else dist.new_subgroups(local, backend="nccl")[0])
+                else dist.new_subgroups(local, backend="nccl", timeout=timeout)[0])
         shard = torch.empty(1 << 26, dtype=torch.bfloat16, device=device)
         full = torch.empty(shard.numel() * local, dtype=torch.bfloat16, device=device)
         ag_s = timed(lambda: dist.all_gather_into_tensor(full, shard, group=node), reps=5)
@@ -699,7 +737,8 @@ def write_png(report: dict, path: str):
     ax.legend(fontsize=7)
     mem.bar(labels, [r["peak_bytes"] / 2**20 for _, r in ran], color="#805ad5")
     mem.set_ylabel("MiB")
-    mem.set_title("peak memory")
+    mem.set_title("peak memory (CUDA allocator: TIDE's\nsymmetric memory not in it)" if report["run"]["device"].startswith("cuda")
+                  else "peak memory (resident set growth)", fontsize=9)
     for a, angle in ((ax, 20), (mem, 50)):  # the narrow panel's labels need the steeper slant
         a.tick_params(axis="x", labelsize=7, labelrotation=angle)
         for t in a.get_xticklabels():
@@ -772,10 +811,11 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if cuda and torch.cuda.device_count() < ranks_here and {"stock", "best"} & set(args.variants):
+    nccl_here = sorted({"stock", "best", "bound"} & set(args.variants)) + (["--calibrate"] if args.calibrate else [])
+    if cuda and torch.cuda.device_count() < ranks_here and nccl_here:
         print(f"tide.bench.step: {ranks_here} ranks on this node share {torch.cuda.device_count()} GPU(s): "
-              "NCCL refuses two ranks on one GPU, so stock and best-configured FSDP2 cannot run "
-              "(--variants tide tide-slot-reuse runs TIDE alone; --device cpu runs on CPUs)", file=sys.stderr)
+              f"NCCL refuses two ranks on one GPU, so {', '.join(nccl_here)} cannot run (they use NCCL; "
+              "--variants tide tide-slot-reuse runs TIDE alone; --device cpu runs on CPUs)", file=sys.stderr)
         return 2
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -798,10 +838,10 @@ def main(argv=None) -> int:
     dist.init_process_group("tide", timeout=timedelta(seconds=args.timeout))
     rank, ws = dist.get_rank(), dist.get_world_size()
     local = int(os.environ.get("TIDE_LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", str(ws))))
-    groups = _process_groups(device.type)
+    groups = _process_groups(device.type, timedelta(seconds=args.timeout))
     args.calibration = None
     if args.calibrate:
-        args.calibration = measure_calibration(device, groups["baseline"])
+        args.calibration = measure_calibration(device, groups["baseline"], groups["timeout"])
         if rank == 0:
             with open(args.calibrate, "w") as f:
                 json.dump(args.calibration, f, indent=1)
@@ -813,8 +853,11 @@ def main(argv=None) -> int:
     # profiler, gloo's buffers, oneDNN's kernels, CUDA's context) is not the first variant's.
     first = next((v for v in variants if v.impl != "best"), None)
     if first is not None:
-        run_variant(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 0, "profile_steps": 1}),
-                    Variant(first.impl, first.bf16), groups, device)
+        try:
+            run_variant(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 0, "profile_steps": 1}),
+                        Variant(first.impl, first.bf16), groups, device)
+        except VariantFailed:
+            pass  # the variant fails again in its turn, and is reported there
     results, labels, runnable = {}, {}, []
     for v in variants:
         labels[v.key] = v.label(groups["baseline_name"])
@@ -839,7 +882,14 @@ def main(argv=None) -> int:
                 print(f"running {labels[v.key]}"
                       + (f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else "") + " ...", flush=True)
             a = args if last else argparse.Namespace(**{**vars(args), "profile_steps": 0})
-            per_round[v.key].append(run_variant(a, v, groups, device))
+            try:
+                per_round[v.key].append(run_variant(a, v, groups, device))
+            except VariantFailed as e:
+                v.skipped = f"failed to build: {e}"
+                results[v.key] = dict(skipped=v.skipped)
+                if rank == 0:
+                    print(f"{labels[v.key]}: {v.skipped}", flush=True)
+        runnable = [v for v in runnable if not v.skipped]
     for v in runnable:
         every = [None] * ws
         dist.all_gather_object(every, merge_rounds(per_round[v.key]), group=groups["meta"])
