@@ -282,9 +282,12 @@ def test_a_variant_that_fails_to_build_on_one_rank_is_reported_and_the_run_goes_
 
 
 def _configure_best_worker(rank, world_size):
+    import gc
+
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from tide.bench import step
 
@@ -295,19 +298,16 @@ def _configure_best_worker(rank, world_size):
     variant = step.Variant("best", True)
     step._configure_best(model, variant, dist.new_group(backend="gloo"))
     checked = 0
-    for m in model.modules():
-        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
-        for g in getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]:
-            validate = getattr(g, "_validate_reduce_scatter_max_input_buffers", None)
-            if validate is not None:
-                validate()  # what FSDP2's lazy init runs at the first forward: raises on a bad mix
-                checked += 1
-    return dict(missing=variant.missing_knobs, checked=checked,
-                torch_has_separate_rs=hasattr(step, "_configure_best") and any(
-                    hasattr(g, "_set_separate_reduce_scatter_group")
-                    for m in model.modules() if hasattr(m, "_get_fsdp_state")
-                    for g in (getattr(m._get_fsdp_state(), "_fsdp_param_groups", None)
-                              or [m._get_fsdp_state()._fsdp_param_group])))
+    # Every param group in this process (found without FSDP2's per-version attribute names),
+    # through FSDP2's lazy-init check where this torch has it (2.15)
+    groups = [o for o in gc.get_objects() if isinstance(o, FSDPParamGroup)]
+    for g in groups:
+        validate = getattr(g, "_validate_reduce_scatter_max_input_buffers", None)
+        if validate is not None:
+            validate()  # what FSDP2's lazy init runs at the first forward: raises on a bad mix
+            checked += 1
+    return dict(missing=variant.missing_knobs, checked=checked, groups=len(groups),
+                torch_has_separate_rs=hasattr(FSDPParamGroup, "_set_separate_reduce_scatter_group"))
 
 
 def test_best_configured_knobs_are_set_as_this_torch_takes_them():
@@ -320,6 +320,7 @@ def test_best_configured_knobs_are_set_as_this_torch_takes_them():
 
     out = run_ranks(_configure_best_worker, 2, backend="gloo")
     for r in out:
+        assert r["groups"] == 2, r  # the two layers' (the root holds no parameter of its own: no group)
         separate = "a separate reduce-scatter group (FSDPModule.set_separate_reduce_scatter_group)"
         assert (separate in r["missing"]) != r["torch_has_separate_rs"], r
         if r["checked"]:  # a torch with the check (2.15): the symmetric-memory mix is named
