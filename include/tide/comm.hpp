@@ -148,6 +148,10 @@ class Comm {
   // How long a rank waiting on a peer of this communicator spins before it sleeps (the host
   // transport's host_spin); TIDE-AG's node peers wait on their progress words by it too.
   virtual std::chrono::microseconds wait_spin() const = 0;
+  // The timeout of the collectives that begin from now on; set_timeout (any thread) changes
+  // it for the collectives that begin after it (the group's setTimeout).
+  virtual std::chrono::milliseconds timeout() const = 0;
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
 
   // outs[r] receives rank r's `count` elements of `in`. outs.size() == world_size.
   virtual void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) = 0;

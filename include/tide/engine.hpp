@@ -201,8 +201,9 @@ std::unique_ptr<NodePeers> make_node_peers(Comm& node_comm, const plan::Topology
 // from one call to the next (the node's progress words and values, the schedules).
 class TwoLevelComm {
  public:
-  // Collective over the node: allocates the progress words on `node`.
-  TwoLevelComm(Comm& node, TwoLevel group, std::chrono::milliseconds timeout);
+  // Collective over the node: allocates the progress words on `node`. Node peers wait for
+  // each other up to the node communicator's timeout.
+  TwoLevelComm(Comm& node, TwoLevel group);
   // TIDE-AG: this rank's own shard, cast, to its placement in its own storages, which lie in
   // `home` (node-symmetric memory) at `offsets`; then node_param_all_gather over the
   // two-level schedule paced at pace_bytes per rank and round (storage dtype; 0:
@@ -216,7 +217,6 @@ class TwoLevelComm {
  private:
   Comm& node_;
   TwoLevel group_;
-  std::chrono::milliseconds timeout_;
   std::shared_ptr<SymmetricBuffer> progress_words_;
   uint64_t progress_ = 0;
   NodeScheduleCache schedules_;

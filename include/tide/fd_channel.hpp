@@ -13,6 +13,7 @@
 // store itself). Sends and receives give
 // up with tide::TimeoutError naming the rank, the peer and the tag.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -48,12 +49,14 @@ class FdChannel {
   int receive(int peer, uint64_t tag, const std::function<void()>& between_polls = {});
 
   int rank() const { return rank_; }
+  // For the sends and receives that start after it; any thread may call it.
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_.store(timeout); }
 
  private:
   bool take_one();  // one waiting message into early_; false when none is waiting
 
   int rank_, world_size_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;
   int sock_ = -1;
   std::vector<std::string> addresses_;          // abstract names, without the leading NUL
   std::map<std::pair<uint64_t, int>, int> early_;  // (tag, sender) -> fd, received ahead

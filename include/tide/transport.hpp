@@ -106,6 +106,10 @@ class Transport {
   // The collective now running: its name and a short description of its arguments, used in
   // error messages, and its deadline (now + the communicator's timeout).
   virtual void begin(const char* collective, std::string detail) = 0;
+  // The timeout of every collective that begins after set_timeout (the group's
+  // setTimeout); any thread may call it.
+  virtual std::chrono::milliseconds timeout() const = 0;
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
   // Give up: peers waiting on this rank fail fast with `why` instead of timing out.
   virtual void abort(const std::string& why) = 0;
 };

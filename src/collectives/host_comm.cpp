@@ -108,6 +108,8 @@ class HostComm final : public Comm {
   const char* param_all_gather_algorithm() const override { return doubling_ ? "doubling" : "direct"; }
   int world_size() const override { return ws_; }
   std::chrono::microseconds wait_spin() const override { return t_->wait_spin(); }
+  std::chrono::milliseconds timeout() const override { return t_->timeout(); }
+  void set_timeout(std::chrono::milliseconds timeout) override { t_->set_timeout(timeout); }
 
   void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) override {
     const size_t bytes = count * dtype_size(dtype);

@@ -197,8 +197,8 @@ const plan::NodeAllGatherSchedule& NodeScheduleCache::get(const plan::GroupLayou
   return *it->second;
 }
 
-TwoLevelComm::TwoLevelComm(Comm& node, TwoLevel group, std::chrono::milliseconds timeout)
-    : node_(node), group_(group), timeout_(timeout), progress_words_(node.allocate_symmetric(64)) {}
+TwoLevelComm::TwoLevelComm(Comm& node, TwoLevel group)
+    : node_(node), group_(group), progress_words_(node.allocate_symmetric(64)) {}
 
 void TwoLevelComm::param_all_gather(const ParamAllGather& a, SymmetricBuffer& home, std::vector<size_t> offsets,
                                     size_t pace_bytes) {
@@ -220,7 +220,7 @@ void TwoLevelComm::param_all_gather(const ParamAllGather& a, SymmetricBuffer& ho
   const plan::NodeAllGatherSchedule& schedule = schedules_.get(
       layout, topo, plan::planner_pace(layout, static_cast<int64_t>(pace_bytes), static_cast<int64_t>(es)), rank);
   const std::unique_ptr<NodePeers> peers =
-      make_node_peers(node_, topo, rank, *progress_words_, home, std::move(offsets), timeout_);
+      make_node_peers(node_, topo, rank, *progress_words_, home, std::move(offsets), node_.timeout());
   progress_ = node_param_all_gather({&layout, &schedule, rank, a.storages, es, progress_}, *group_.engine, *peers);
 }
 

@@ -113,7 +113,8 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
   std::memcpy(CMSG_DATA(c), &fd, sizeof(int));
   // Non-blocking with a deadline: a peer whose queue is full (or that is gone) must not
   // hang this rank.
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const std::chrono::milliseconds timeout = timeout_.load();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto nap = std::chrono::microseconds(50);
   for (;;) {
     if (::sendmsg(sock_, &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof h)) return;
@@ -127,7 +128,7 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
                                  " failed: ", std::strerror(err)));
     if (std::chrono::steady_clock::now() > deadline)
       throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": rank ", peer, " did not take tag ", tag,
-                                        " within ", timeout_.count(), " ms (", std::strerror(err), ")"));
+                                        " within ", timeout.count(), " ms (", std::strerror(err), ")"));
     // The peer's queue is full, perhaps because it is itself stuck sending to us: take what
     // is waiting here, so that every rank sending to every other cannot deadlock.
     while (take_one()) {
@@ -139,7 +140,8 @@ void FdChannel::send(int peer, uint64_t tag, int fd) {
 
 int FdChannel::receive(int peer, uint64_t tag, const std::function<void()>& between_polls) {
   TIDE_CHECK(peer >= 0 && peer < world_size_ && peer != rank_, "tide: fd channel: rank ", rank_, ": bad peer ", peer);
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const std::chrono::milliseconds timeout = timeout_.load();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
     if (auto it = early_.find({tag, peer}); it != early_.end()) {
       const int fd = it->second;
@@ -149,7 +151,7 @@ int FdChannel::receive(int peer, uint64_t tag, const std::function<void()>& betw
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0)
       throw TimeoutError(detail::concat("tide: fd channel: rank ", rank_, ": nothing from rank ", peer, " under tag ",
-                                        tag, " within ", timeout_.count(), " ms"));
+                                        tag, " within ", timeout.count(), " ms"));
     pollfd p{sock_, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, between_polls ? 10 : 1000))) > 0)
       take_one();

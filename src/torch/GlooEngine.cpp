@@ -32,7 +32,8 @@ void GlooEngine::start(std::span<const tide::EngineSend> sends, std::span<const 
 
 void GlooEngine::finish() {
   exchanges_.finish(name(), [&](Exchange& exchange) {
-    for (auto& w : exchange.works) w->wait(timeout_);
+    const std::chrono::milliseconds timeout = timeout_();
+    for (auto& w : exchange.works) w->wait(timeout);
   });
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <functional>
 #include <vector>
 
 #include "tide/engine.hpp"
@@ -11,8 +12,9 @@ namespace tide::torch_backend {
 
 class GlooEngine final : public tide::Engine {
  public:
-  GlooEngine(c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout)
-      : gloo_(std::move(gloo)), timeout_(timeout) {}
+  // `timeout`: the group's, read at each finish() (the group's setTimeout changes it).
+  GlooEngine(c10::intrusive_ptr<c10d::Backend> gloo, std::function<std::chrono::milliseconds()> timeout)
+      : gloo_(std::move(gloo)), timeout_(std::move(timeout)) {}
   const char* name() const override { return "gloo"; }
   void start(std::span<const tide::EngineSend> sends, std::span<const tide::EngineRecv> recvs,
              std::shared_ptr<const void> keep_alive) override;
@@ -28,7 +30,7 @@ class GlooEngine final : public tide::Engine {
   };
   c10::intrusive_ptr<c10d::Backend> gloo_;
   tide::InFlight<Exchange> exchanges_;
-  std::chrono::milliseconds timeout_;
+  std::function<std::chrono::milliseconds()> timeout_;
   int64_t bytes_sent_ = 0;
 };
 

@@ -38,6 +38,8 @@ class HostParams : public ParamCollectives {
   std::pair<size_t, int> staging_geometry(int) override {
     TORCH_CHECK(false, "tide cuda_staging_geometry: CPU tensors stage in the host communicator");
   }
+  // The group's own communicator: the group sets its timeout.
+  void set_timeout(std::chrono::milliseconds) override {}
 
  private:
   tide::Comm& comm_;
@@ -45,7 +47,7 @@ class HostParams : public ParamCollectives {
 
 class HostParamsAcrossNodes final : public ParamCollectives {
  public:
-  HostParamsAcrossNodes(tide::GroupNodes nodes, int rank, std::chrono::milliseconds timeout,
+  HostParamsAcrossNodes(tide::GroupNodes nodes, int rank, Timeout timeout,
                         std::function<c10::intrusive_ptr<c10d::Backend>()> gloo)
       : nodes_(std::move(nodes)), rank_(rank), timeout_(timeout), gloo_(std::move(gloo)) {}
   std::string why_not() const override {
@@ -87,6 +89,10 @@ class HostParamsAcrossNodes final : public ParamCollectives {
   std::pair<size_t, int> staging_geometry(int) override {
     TORCH_CHECK(false, "tide cuda_staging_geometry: CPU tensors stage in the node's host communicator");
   }
+  // The node's communicator (TIDE-RS, TIDE-AG's node peers); gloo's exchanges read the group's.
+  void set_timeout(std::chrono::milliseconds timeout) override {
+    if (nodes_.node_comm) nodes_.node_comm->set_timeout(timeout);
+  }
 
  private:
   // gloo between the nodes, from the group's CPU delegate (set after the group's creation).
@@ -100,12 +106,12 @@ class HostParamsAcrossNodes final : public ParamCollectives {
   tide::TwoLevelComm& two_level() {
     if (!two_level_)
       two_level_ = std::make_unique<tide::TwoLevelComm>(*nodes_.node_comm,
-                                                        tide::TwoLevel{*nodes_.topology, rank_, engine()}, timeout_);
+                                                        tide::TwoLevel{*nodes_.topology, rank_, engine()});
     return *two_level_;
   }
   tide::GroupNodes nodes_;
   int rank_;
-  std::chrono::milliseconds timeout_;
+  Timeout timeout_;
   std::function<c10::intrusive_ptr<c10d::Backend>()> gloo_;
   mutable std::mutex engine_mutex_;
   mutable std::unique_ptr<GlooEngine> engine_;
@@ -118,7 +124,7 @@ class HostParamsAcrossNodes final : public ParamCollectives {
 std::unique_ptr<ParamCollectives> make_host_params(tide::Comm& comm) { return std::make_unique<HostParams>(comm); }
 
 std::unique_ptr<ParamCollectives> make_host_params_across_nodes(
-    tide::GroupNodes nodes, int rank, std::chrono::milliseconds timeout,
+    tide::GroupNodes nodes, int rank, Timeout timeout,
     std::function<c10::intrusive_ptr<c10d::Backend>()> gloo) {
   return std::make_unique<HostParamsAcrossNodes>(std::move(nodes), rank, timeout, std::move(gloo));
 }

@@ -23,6 +23,10 @@
 
 namespace tide::torch_backend {
 
+// The group's timeout as it is now (ProcessGroupTide::setTimeout changes it), read where a
+// collective starts its clock.
+using Timeout = std::function<std::chrono::milliseconds()>;
+
 class ParamCollectives {
  public:
   virtual ~ParamCollectives() = default;
@@ -46,6 +50,9 @@ class ParamCollectives {
   // CUDA: the node's all-gather path on `device` and why; (slot bytes, slots) of TIDE-RS's staging.
   virtual std::pair<std::string, std::string> path_choice(int device) = 0;
   virtual std::pair<size_t, int> staging_geometry(int device) = 0;
+  // The group's setTimeout, for the communicators that keep a timeout of their own (any
+  // thread); the rest read the group's Timeout.
+  virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
 };
 
 // CPU tensors. One node: the group's host communicator. Several nodes (tide::GroupNodes:
@@ -53,7 +60,7 @@ class ParamCollectives {
 // between the nodes, the group's CPU delegate once set (`gloo` reads it).
 std::unique_ptr<ParamCollectives> make_host_params(tide::Comm& comm);
 std::unique_ptr<ParamCollectives> make_host_params_across_nodes(
-    tide::GroupNodes nodes, int rank, std::chrono::milliseconds timeout,
+    tide::GroupNodes nodes, int rank, Timeout timeout,
     std::function<c10::intrusive_ptr<c10d::Backend>()> gloo);
 
 // CUDA tensors. `all_gather_bytes`: every rank's bytes, in rank order, given this rank's (a host
@@ -64,7 +71,7 @@ struct CudaParamsArgs {
   std::shared_ptr<tide::Store> store;
   std::string ns;
   int rank = 0, world_size = 1;
-  std::chrono::milliseconds timeout{};
+  Timeout timeout;
   std::function<std::vector<std::vector<uint8_t>>(const std::vector<uint8_t>&)> all_gather_bytes;
   int num_nodes = 1;
   std::optional<tide::plan::Topology> topology;

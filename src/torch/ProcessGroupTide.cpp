@@ -222,7 +222,8 @@ ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store,
       comm_ = std::move(nodes.node_comm);
       cpu_params_ = make_host_params(*comm_);
     } else {
-      cpu_params_ = make_host_params_across_nodes(std::move(nodes), rank, timeout, [this] { return cpu_; });
+      cpu_params_ = make_host_params_across_nodes(std::move(nodes), rank, [this] { return timeout_.load(); },
+                                                  [this] { return cpu_; });
     }
   } catch (const tide::TimeoutError& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
@@ -769,6 +770,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::T
 
 void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) { cpu_ = std::move(gloo); }
 
+void ProcessGroupTide::setTimeout(std::chrono::milliseconds timeout) {
+  // A zero timeout means "wait forever" to c10d's stores and to some backends; refuse it
+  // rather than let it mean that here, or something else in a delegate.
+  TORCH_CHECK(timeout.count() > 0, "tide set_timeout: rank ", getRank(), " of group '", group_name_,
+              "': the timeout must be positive, got ", timeout.count(), " ms");
+  timeout_.store(timeout);
+  if (comm_) comm_->set_timeout(timeout);
+  cpu_params_->set_timeout(timeout);
+  {
+    std::lock_guard<std::mutex> lock(cuda_params_mutex_);
+    if (cuda_params_) cuda_params_->set_timeout(timeout);
+  }
+  if (cpu_) cpu_->setTimeout(timeout);
+  if (cuda_) cuda_->setTimeout(timeout);
+}
+
 ParamCollectives& ProcessGroupTide::params(int device) {
   if (device < 0) return *cpu_params_;
   std::lock_guard<std::mutex> lock(cuda_params_mutex_);
@@ -778,7 +795,7 @@ ParamCollectives& ProcessGroupTide::params(int device) {
     args.ns = "pg" + group_name_ + "/cuda";
     args.rank = getRank();
     args.world_size = getSize();
-    args.timeout = timeout_;
+    args.timeout = [this] { return timeout_.load(); };
     // The CUDA path's argument checks all-gather a fingerprint through this group's own
     // all-gather of CPU bytes: ordered with the CPU collectives issued before it (the host
     // communicator's worker on one node, gloo across nodes).
@@ -790,7 +807,7 @@ ParamCollectives& ProcessGroupTide::params(int device) {
       std::vector<at::Tensor> in{bytes(mine.data(), mine.size())};
       std::vector<std::vector<at::Tensor>> out(1);
       for (auto& v : all) out[0].push_back(bytes(v.data(), v.size()));
-      allgather(out, in, c10d::AllgatherOptions())->wait(timeout_);
+      allgather(out, in, c10d::AllgatherOptions())->wait(timeout_.load());
       return all;
     };
     args.num_nodes = num_nodes_;

@@ -3,6 +3,7 @@
 // one worker thread so every op returns an async Work with a future, as gloo's do.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -44,8 +45,11 @@ class ProcessGroupTide : public c10d::Backend {
   ~ProcessGroupTide() override;
 
   const std::string getBackendName() const override { return "tide"; }
-  // The host communicator keeps the timeout it was created with (docs/status.md).
-  void setTimeout(std::chrono::milliseconds) override {}
+  // dist.set_timeout (torch >= 2.15; ProcessGroup.set_timeout forwards it to each backend):
+  // the timeout of every collective issued after it, on every communicator of the group
+  // (host, node, CUDA, the gloo and NCCL delegates). Ops already queued start their clock
+  // when they run, with the timeout of that moment.
+  void setTimeout(std::chrono::milliseconds timeout) override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -197,7 +201,7 @@ class ProcessGroupTide : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_name_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout, from any thread
   tide::StagingReport last_staging_;
   std::mutex mutex_;
   std::condition_variable cv_;

@@ -195,6 +195,30 @@ TEST(HostFailures, SilentPeerTimesOut) {
   EXPECT_TRUE(all_ok(out)) << describe(out);
 }
 
+// The group's setTimeout: a collective takes the timeout of the moment it begins.
+TEST(HostFailures, TimeoutSetAfterCreationTakesEffectAtTheNextCollective) {
+  auto out = run_ranks(2, [](Rank& rk) {
+    auto comm = rk.comm(opts(500));
+    std::vector<float> v(256, 1.0f);
+    comm->set_timeout(std::chrono::milliseconds(5000));  // lengthened: a peer 1.2 s late is fine
+    TIDE_REQUIRE(comm->timeout() == std::chrono::milliseconds(5000), "timeout() ", comm->timeout().count());
+    if (rk.rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    auto t0 = Clock::now();
+    comm->all_reduce(v.data(), v.size(), DType::f32, {});
+    TIDE_REQUIRE(v[0] == 2.0f, "sum ", v[0]);
+    if (rk.rank == 0) TIDE_REQUIRE(ms_since(t0) > 1000, "rank 0 waited only ", ms_since(t0), " ms");
+    comm->set_timeout(std::chrono::milliseconds(400));  // shortened: a silent peer fails it soon
+    if (rk.rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+      return;
+    }
+    double ms = expect_throw<TimeoutError>([&] { comm->all_reduce(v.data(), v.size(), DType::f32, {}); },
+                                           {"timed out after 400 ms waiting for rank 1"});
+    TIDE_REQUIRE(ms >= 390 && ms < 1900, "took ", ms, " ms");
+  });
+  EXPECT_TRUE(all_ok(out)) << describe(out);
+}
+
 TEST(HostFailures, PeerThatClosedItsCommunicatorIsReported) {
   auto out = run_ranks(2, [](Rank& rk) {
     auto comm = rk.comm(opts(10000));

@@ -467,3 +467,96 @@ def test_a_finished_collective_is_released_by_the_caller_not_the_worker():
     for rank, (after_wait, after_next) in enumerate(run_ranks(released_off_the_worker_worker, 2)):
         assert after_wait, f"rank {rank}: the worker released the work's tensor"
         assert not after_next, f"rank {rank}: the next collective did not release it"
+
+
+# ---- the group's timeout changed after creation (dist.set_timeout) ----------------------------
+
+def set_group_timeout(group, seconds):
+    from datetime import timedelta
+
+    if hasattr(dist, "set_timeout"):  # torch >= 2.15's public call
+        dist.set_timeout(timedelta(seconds=seconds), group)
+    else:  # what it calls: ProcessGroup.set_timeout forwards to every backend of the group
+        group.set_timeout(timedelta(seconds=seconds))
+
+
+LATE_S = 4  # a peer this late fails a group whose timeout is PG_TIMEOUT_S
+
+
+def set_timeout_worker(rank, ws):
+    """The default group was made with PG_TIMEOUT_S. A zero timeout is refused; lengthened,
+    it lets a peer be LATE_S late in a standard collective and in FSDP2's TIDE-AG and
+    TIDE-RS; a second group made with a minute, shortened to PG_TIMEOUT_S, gives up on a
+    silent peer after that, not after the minute."""
+    from datetime import timedelta
+
+    from torch.distributed.fsdp import fully_shard
+
+    from tide.fsdp import _paths
+
+    out = {"zero": expect_error(lambda: set_group_timeout(dist.group.WORLD, 0))}
+    dist.all_reduce(torch.ones(4))  # the refusal left the group usable
+
+    set_group_timeout(dist.group.WORLD, 60)
+    if rank == 0:
+        time.sleep(LATE_S)
+    start = time.monotonic()
+    t = torch.full((1000,), float(rank + 1))
+    out["late all_reduce"] = expect_error(lambda: dist.all_reduce(t)), time.monotonic() - start
+    out["sum"] = t[0].item()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+
+    def step():
+        if rank == 0:
+            time.sleep(LATE_S)  # rank 1 waits in the first all-gather
+        loss = model(torch.randn(4, 64)).sum()
+        if rank == 0:
+            time.sleep(LATE_S)  # rank 1 waits in the last layer's reduce-scatter
+        loss.backward()
+
+    start = time.monotonic()
+    out["late FSDP2 step"] = expect_error(step), time.monotonic() - start
+    out["paths"] = dict(_paths.stats)
+
+    other = dist.new_group(backend="tide", timeout=timedelta(seconds=60))
+    set_group_timeout(other, PG_TIMEOUT_S)
+    if rank == 0:
+        time.sleep(PG_TIMEOUT_S + 4)  # never calls it
+        return out
+    start = time.monotonic()
+    out["silent peer"] = expect_error(lambda: dist.all_reduce(t, group=other)), time.monotonic() - start
+    return out
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_set_timeout_reaches_every_communicator_of_the_group(monkeypatch, nodes):
+    """dist.set_timeout on a tide group (torch 2.15's ProcessGroup.set_timeout forwards it to
+    each backend; tide once ignored it): on one node the host communicator, across two
+    pseudo-nodes the node communicators, TIDE-AG / TIDE-RS's gloo exchanges and the gloo
+    delegate of the standard ops."""
+    if nodes == 2:
+        monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "1")
+    results = run_ranks(set_timeout_worker, 2, pg_timeout_s=PG_TIMEOUT_S, timeout=120)
+    for rank, out in enumerate(results):
+        assert "tide set_timeout" in out["zero"] and "must be positive" in out["zero"], out["zero"]
+        assert f"rank {rank}" in out["zero"], out["zero"]
+        msg, elapsed = out["late all_reduce"]
+        assert msg is None, (rank, msg)
+        assert out["sum"] == 3.0
+        msg, elapsed = out["late FSDP2 step"]
+        assert msg is None, (rank, msg)
+        paths = out["paths"]  # TIDE's own collectives waited, not FSDP2's stock path
+        assert paths["zero_copy_all_gather"] > 0 and paths["zero_copy_reduce_scatter"] > 0, (rank, paths)
+        assert paths["stock_all_gather"] == 0 and paths["stock_reduce_scatter"] == 0, (rank, paths)
+    for what in ("late all_reduce", "late FSDP2 step"):
+        waited = results[1][what][1]
+        assert waited > PG_TIMEOUT_S, f"{what}: rank 1 was not kept waiting past the creation timeout ({waited:.1f} s)"
+    msg, elapsed = results[1]["silent peer"]
+    # Across nodes the standard ops are the gloo delegate's, and so is the error.
+    assert msg is not None and ("rank 0" in msg if nodes == 1 else "Timed out" in msg), msg
+    assert PG_TIMEOUT_S - 0.5 < elapsed < PG_TIMEOUT_S + slack(3), f"gave up after {elapsed:.1f} s"

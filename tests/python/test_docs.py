@@ -1,6 +1,6 @@
 """The documentation against the tree: the README's table of TIDE_* variables names every
 variable the code, scripts and tests read, and only those; every relative link in the
-README and docs/ leads to a file that exists."""
+README and docs/ leads to a file that exists, and a link to a section, to a heading there."""
 import pathlib
 import re
 
@@ -67,17 +67,45 @@ def test_the_scan_sees_variables_of_every_kind():
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _anchors(markdown: pathlib.Path) -> set:
+    """The section anchors GitHub makes of a markdown file's headings: lower case, no
+    punctuation but hyphens, spaces as hyphens, a repeated heading numbered -1, -2..."""
+    anchors, seen = set(), {}
+    in_code = False
+    for line in markdown.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not re.match(r"#{1,6} ", line):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
 def test_relative_links_in_the_docs_exist():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
             *sorted((ROOT / "tests").rglob("README.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
     broken = []
-    checked = 0
+    checked = sections = 0
     for doc in docs:
         for target in LINK.findall(doc.read_text()):
-            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            if re.match(r"[a-z]+:", target):
                 continue
+            path, _, section = target.partition("#")
             checked += 1
-            if not (doc.parent / target.split("#", 1)[0]).exists():
+            file = doc.parent / path if path else doc
+            if not file.exists():
                 broken.append(f"{doc.relative_to(ROOT)}: {target}")
-    assert checked > 10, checked
-    assert not broken, f"links to files that do not exist: {broken}"
+            elif section and file.suffix == ".md":
+                sections += 1
+                if section not in _anchors(file):
+                    broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert checked > 10 and sections > 5, (checked, sections)
+    assert not broken, f"links to files or sections that do not exist: {broken}"
+
+
+def test_the_anchors_are_githubs():
+    assert _anchors(ROOT / "README.md") >= {"measured-results", "environment-variables"}
+    assert "the-papers-experiment-shrunk-to-this-cpu-tidebenchstep" in _anchors(ROOT / "README.md")

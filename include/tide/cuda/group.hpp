@@ -131,6 +131,8 @@ class CudaGroup {
   // too (deadline: CudaGroupOptions::timeout).
   void end(cudaStream_t caller, std::initializer_list<cudaStream_t> work);
   void fail(const std::string& why);  // marks the group unusable and throws TimeoutError
+  // For the collectives that begin after it; from the thread that calls begin().
+  void set_timeout(std::chrono::milliseconds timeout) { opt_.timeout = timeout; }
 
   // Any thread (a watchdog), never throws: marks the group unusable with `why` (prefixed
   // with the rank and every rank's counters), sets this rank's poison word and releases this

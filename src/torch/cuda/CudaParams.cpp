@@ -50,6 +50,7 @@ class CudaParams final : public ParamCollectives {
   int64_t inter_node_bytes_sent() const override { return path_ ? path_->inter_node_bytes_sent() : 0; }
   std::pair<std::string, std::string> path_choice(int device) override { return path().path_choice(device); }
   std::pair<size_t, int> staging_geometry(int device) override { return path().staging_geometry(device); }
+  void set_timeout(std::chrono::milliseconds) override {}  // the path reads the group's Timeout
 
  private:
   CudaPath& path() {

@@ -106,12 +106,13 @@ std::string describe(const Fingerprint& f) {
 }  // namespace
 
 CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-                   std::chrono::milliseconds timeout, AllGatherBytes all_gather_bytes, std::optional<Nodes> nodes)
+                   std::function<std::chrono::milliseconds()> timeout, AllGatherBytes all_gather_bytes,
+                   std::optional<Nodes> nodes)
     : store_(std::move(store)),
       ns_(std::move(ns)),
       rank_(rank),
       ws_(world_size),
-      timeout_(timeout),
+      timeout_(std::move(timeout)),
       all_gather_bytes_(std::move(all_gather_bytes)),
       nodes_(std::move(nodes)) {
   watchdog_ = std::thread([this] { watchdog_loop(); });
@@ -120,7 +121,7 @@ CudaPath::CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank,
 CudaPath::~CudaPath() {
   // Let the watchdog see the collectives in flight to their end (or abort the group at
   // their deadline) before the group is destroyed: its destructor waits for its streams.
-  const auto deadline = std::chrono::steady_clock::now() + timeout_ + std::chrono::seconds(5);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_() + std::chrono::seconds(5);
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -153,7 +154,7 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
   if (const std::string e = health_->get(); !e.empty()) raise_failed(e);
   if (!group_) {
     tide::cuda::CudaGroupOptions options;
-    options.timeout = timeout_;
+    options.timeout = timeout_();
     options.blocking = false;  // stream-ordered; the watchdog enforces the timeout
     options.across_nodes = nodes_.has_value();
     int previous = -1;
@@ -183,6 +184,7 @@ tide::cuda::CudaGroup& CudaPath::group(int device, const char* collective) {
   TORCH_CHECK(group_->device() == device, "tide ", collective, ": rank ", rank_, ": tensors on cuda:", device,
               " but this group's CUDA collectives run on cuda:", group_->device(),
               " (one device per rank and process group)");
+  group_->set_timeout(timeout_());  // its host-side waits, where stream memory operations are missing
   return *group_;
 }
 
@@ -219,12 +221,13 @@ void CudaPath::one_sided_handshake() {
   TIDE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   wire_->bind(s);
   puts_->handshake(std::span<const int>(&to, 1), std::span<const int>(&from, 1));
-  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const std::chrono::milliseconds timeout = timeout_();
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!tide::cuda::stream_done(s)) {
     if (std::chrono::steady_clock::now() > deadline) {
       C10_THROW_ERROR(DistBackendError,
                       tide::detail::concat("tide: cuda: rank ", rank_, ": NCCL's one-sided handshake with ranks ", to,
-                                           " and ", from, " did not complete within ", timeout_.count(),
+                                           " and ", from, " did not complete within ", timeout.count(),
                                            " ms (TIDE_NCCL_ONE_SIDED=0 uses send/recv instead)"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -324,7 +327,8 @@ c10::intrusive_ptr<c10d::Work> CudaPath::finish(const char* collective, c10d::Op
                                   c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    pending_.push_back({event, std::chrono::steady_clock::now() + timeout_,
+    const std::chrono::milliseconds timeout = timeout_();
+    pending_.push_back({event, std::chrono::steady_clock::now() + timeout, timeout,
                         tide::detail::concat(collective, " #", seq_ - 1)});
   }
   cv_.notify_one();
@@ -464,7 +468,7 @@ void CudaPath::watchdog_loop() {
         break;
       }
       if (std::chrono::steady_clock::now() < p.deadline) break;
-      group_->abort(tide::detail::concat(p.what, " did not complete within ", timeout_.count(),
+      group_->abort(tide::detail::concat(p.what, " did not complete within ", p.timeout.count(),
                                          " ms (a peer died or hung); the group is aborted"));
       set_failed(group_->broken_why());
       // Across nodes the work in flight also waits on NCCL (a send/recv kernel; a one-sided

@@ -64,7 +64,8 @@ class CudaPath {
     c10::intrusive_ptr<c10d::Backend> nccl;
   };
   CudaPath(std::shared_ptr<tide::Store> store, std::string ns, int rank, int world_size,
-           std::chrono::milliseconds timeout, AllGatherBytes all_gather_bytes, std::optional<Nodes> nodes = std::nullopt);
+           std::function<std::chrono::milliseconds()> timeout, AllGatherBytes all_gather_bytes,
+           std::optional<Nodes> nodes = std::nullopt);
   ~CudaPath();
   CudaPath(const CudaPath&) = delete;
   CudaPath& operator=(const CudaPath&) = delete;
@@ -127,7 +128,7 @@ class CudaPath {
   std::shared_ptr<tide::Store> store_;
   std::string ns_;
   int rank_, ws_;
-  std::chrono::milliseconds timeout_;
+  std::function<std::chrono::milliseconds()> timeout_;  // the group's, as setTimeout leaves it
   AllGatherBytes all_gather_bytes_;
   std::optional<Nodes> nodes_;
   std::unique_ptr<NcclEngine> engine_;          // across nodes, on the group's device: send / recv
@@ -142,6 +143,7 @@ class CudaPath {
   struct Pending {
     std::shared_ptr<void> event;  // a cudaEvent_t, destroyed with its last owner
     std::chrono::steady_clock::time_point deadline;
+    std::chrono::milliseconds timeout;  // what the deadline was set by
     std::string what;
   };
   std::mutex mutex_;

@@ -31,6 +31,7 @@ class NoCudaParams final : public ParamCollectives {
   std::pair<size_t, int> staging_geometry(int device) override {
     TORCH_CHECK(false, "tide cuda_staging_geometry: rank ", rank_, ": ", kWhy, " (cuda:", device, ")");
   }
+  void set_timeout(std::chrono::milliseconds) override {}
 
  private:
   int rank_;

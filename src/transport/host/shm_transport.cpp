@@ -308,7 +308,7 @@ class ShmTransport final : public Transport {
                             " slots), p2p channels ", layout_.channel_depth, " x ", mib(layout_.channel_bytes),
                             ", threads ", threads, ", cma ", cma_ ? "on" : "off", " (", cma_why_, "), spin ",
                             spin_.count(), " us (", busy, " processes, ", available_cores(), " cores), timeout ",
-                            timeout_.count(), " ms"));
+                            timeout_.load().count(), " ms"));
   }
 
   ~ShmTransport() override {
@@ -487,7 +487,14 @@ class ShmTransport final : public Transport {
   void begin(const char* collective, std::string detail) override {
     collective_ = collective;
     detail_ = std::move(detail);
-    deadline_ = Clock::now() + timeout_;
+    op_timeout_ = timeout_.load();
+    deadline_ = Clock::now() + op_timeout_;
+  }
+
+  std::chrono::milliseconds timeout() const override { return timeout_.load(); }
+  void set_timeout(std::chrono::milliseconds timeout) override {
+    timeout_.store(timeout);
+    fd_channel_->set_timeout(timeout);
   }
 
   void abort(const std::string& why) override {
@@ -523,12 +530,13 @@ class ShmTransport final : public Transport {
     if (process_dead(header(peer)->pid))
       fail(detail::concat("was waiting for rank ", peer, ", but rank ", peer, " (pid ", header(peer)->pid, ") died"), true);
     if (Clock::now() >= deadline_)
-      fail(detail::concat("timed out after ", timeout_.count(), " ms waiting for rank ", peer), true);
+      fail(detail::concat("timed out after ", op_timeout_.count(), " ms waiting for rank ", peer), true);
   }
 
   void rendezvous(Store& store, const std::string& ns, size_t staging) {
+    const std::chrono::milliseconds timeout = timeout_.load();  // in the constructor: nobody sets it yet
     const std::string who = detail::concat("tide host transport: rank ", rank_, " of group '", ns, "'");
-    fd_channel_ = std::make_unique<FdChannel>(ns + "/tide/host", rank_, ws_, timeout_);
+    fd_channel_ = std::make_unique<FdChannel>(ns + "/tide/host", rank_, ws_, timeout);
     FdGuard own{create_segment(kSegmentLabel, layout_.total, who)};
     base_[rank_] = map_segment(own.fd, layout_.total, "this rank's segment");
     Header* h = header(rank_);
@@ -550,7 +558,7 @@ class ShmTransport final : public Transport {
           throw TimeoutError(detail::concat(who, " was waiting for rank ", r, " to join, but rank ", r, " (pid ",
                                             pids_[r], ") died"));
     };
-    for (auto& v : await_ranks(store, prefix, ws_, failed, timeout_, who, died)) all.push_back(decode(v));
+    for (auto& v : await_ranks(store, prefix, ws_, failed, timeout, who, died)) all.push_back(decode(v));
     check_one_host(all);
     for (int r = 0; r < ws_; ++r) {
       if (all[r].staging == staging && all[r].slot == layout_.slot_bytes && all[r].world_size == ws_) continue;
@@ -567,10 +575,10 @@ class ShmTransport final : public Transport {
     fd_channel_->connect(std::move(addresses));
     // My segment to every peer, then every peer's into my address space. A peer that dies
     // or fails meanwhile ends the wait (its pid, the failure key); so does the timeout.
-    const auto deadline = Clock::now() + timeout_;
+    const auto deadline = Clock::now() + timeout;
     auto another_failed = [&] {  // the first failure explains the rest: report it
       if (!store.check(failed)) return;
-      const std::vector<uint8_t> why = store.get(failed, timeout_);
+      const std::vector<uint8_t> why = store.get(failed, timeout);
       throw TimeoutError(detail::concat(who, " gives up: another rank failed: ", std::string(why.begin(), why.end())));
     };
     auto between_polls = [&](int peer) {
@@ -580,7 +588,7 @@ class ShmTransport final : public Transport {
                                             " (pid ", all[peer].pid, ") died"));
         another_failed();
         if (Clock::now() >= deadline)
-          throw TimeoutError(detail::concat(who, " timed out after ", timeout_.count(), " ms waiting for rank ",
+          throw TimeoutError(detail::concat(who, " timed out after ", timeout.count(), " ms waiting for rank ",
                                             peer, "'s segment"));
       };
     };
@@ -658,7 +666,8 @@ class ShmTransport final : public Transport {
   }
 
   int rank_, ws_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;  // set_timeout: for the collectives that begin after it
+  std::chrono::milliseconds op_timeout_{};           // the running collective's
   std::chrono::microseconds spin_ = kShortSpin;  // host_spin()
   Layout layout_;
   std::unique_ptr<ThreadPool> pool_;
