@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "DelegatedWork.hpp"
 #include "tide/error.hpp"
 #include "tide/host_transport.hpp"
 #include "tide/reduce_kernels.hpp"
@@ -292,7 +293,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
-  if (auto d = delegate(tensors, "broadcast")) return d->broadcast(tensors, opts);
+  if (auto d = delegate(tensors, "broadcast")) return delegated("broadcast", d, d->broadcast(tensors, opts));
   OpContext ctx{"broadcast", getRank()};
   check_nonempty(tensors, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -314,7 +315,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
-  if (auto d = delegate(tensors, "allreduce")) return d->allreduce(tensors, opts);
+  if (auto d = delegate(tensors, "allreduce")) return delegated("allreduce", d, d->allreduce(tensors, opts));
   OpContext ctx{"allreduce", getRank()};
   check_nonempty(tensors, ctx);
   check_alike(tensors, ctx);
@@ -344,7 +345,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   if (auto d = delegate(tensors, "allreduce_coalesced"))
-    return d->allreduce_coalesced(tensors, opts);
+    return delegated("allreduce_coalesced", d, d->allreduce_coalesced(tensors, opts));
   OpContext ctx{"allreduce_coalesced", getRank()};
   std::vector<Output> outs;
   std::vector<DType> dtypes;
@@ -366,7 +367,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>& tensors,
                                                         const c10d::ReduceOptions& opts) {
-  if (auto d = delegate(tensors, "reduce")) return d->reduce(tensors, opts);
+  if (auto d = delegate(tensors, "reduce")) return delegated("reduce", d, d->reduce(tensors, opts));
   OpContext ctx{"reduce", getRank()};
   check_single(tensors, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -384,7 +385,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (auto d = delegate(inputs, "allgather")) return d->allgather(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "allgather")) return delegated("allgather", d, d->allgather(outputs, inputs, opts));
   OpContext ctx{"allgather", getRank()};
   check_single(inputs, ctx);
   TORCH_CHECK(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(getSize()),
@@ -411,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& out
                                                                  const c10d::AllgatherOptions& opts) {
   if (auto deferred = run_deferred(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({input_tensor}, "_allgather_base"))
-    return d->_allgather_base(output_tensor, input_tensor, opts);
+    return delegated("_allgather_base", d, d->_allgather_base(output_tensor, input_tensor, opts));
   OpContext ctx{"all_gather_into_tensor", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -433,7 +434,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   if (auto d = delegate(inputs, "allgather_coalesced"))
-    return d->allgather_coalesced(output_lists, inputs, opts);
+    return delegated("allgather_coalesced", d, d->allgather_coalesced(output_lists, inputs, opts));
   OpContext ctx{"allgather_coalesced", getRank()};
   TORCH_CHECK(output_lists.size() == static_cast<size_t>(getSize()), "tide allgather_coalesced: rank ",
               getRank(), ": expects ", getSize(), " output lists, got ", output_lists.size());
@@ -471,7 +472,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   if (auto d = delegate(inputs, "allgather_into_tensor_coalesced"))
-    return d->allgather_into_tensor_coalesced(outputs, inputs, opts);
+    return delegated("allgather_into_tensor_coalesced", d,
+                     d->allgather_into_tensor_coalesced(outputs, inputs, opts));
   OpContext ctx{"allgather_into_tensor_coalesced", getRank()};
   TORCH_CHECK(outputs.size() == inputs.size(), "tide allgather_into_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
@@ -501,7 +503,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  if (auto d = delegate(inputs, "gather")) return d->gather(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "gather")) return delegated("gather", d, d->gather(outputs, inputs, opts));
   OpContext ctx{"gather", getRank()};
   check_single(inputs, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -534,7 +536,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  if (auto d = delegate(outputs, "scatter")) return d->scatter(outputs, inputs, opts);
+  if (auto d = delegate(outputs, "scatter")) return delegated("scatter", d, d->scatter(outputs, inputs, opts));
   OpContext ctx{"scatter", getRank()};
   check_single(outputs, ctx);
   check_root(opts.rootRank, getSize(), ctx);
@@ -566,7 +568,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (auto d = delegate(outputs, "reduce_scatter"))
-    return d->reduce_scatter(outputs, inputs, opts);
+    return delegated("reduce_scatter", d, d->reduce_scatter(outputs, inputs, opts));
   OpContext ctx{"reduce_scatter", getRank()};
   check_single(outputs, ctx);
   TORCH_CHECK(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(getSize()),
@@ -618,7 +620,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
   if (auto deferred = run_deferred(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({output_tensor}, "_reduce_scatter_base"))
-    return d->_reduce_scatter_base(output_tensor, input_tensor, opts);
+    return delegated("_reduce_scatter_base", d, d->_reduce_scatter_base(output_tensor, input_tensor, opts));
   auto fn = prepare_reduce_scatter_tensor(output_tensor, input_tensor, opts, "reduce_scatter_tensor");
   return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, "tide:reduce_scatter_tensor", {output_tensor},
                  std::move(fn));
@@ -628,7 +630,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (auto d = delegate(outputs, "reduce_scatter_tensor_coalesced"))
-    return d->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    return delegated("reduce_scatter_tensor_coalesced", d,
+                     d->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   TORCH_CHECK(outputs.size() == inputs.size(), "tide reduce_scatter_tensor_coalesced: rank ",
               getRank(), ": ", outputs.size(), " outputs for ", inputs.size(), " inputs");
   std::vector<std::function<void()>> fns;
@@ -645,7 +648,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   if (auto d = delegate({input_tensor}, "alltoall_base"))
-    return d->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts);
+    return delegated("alltoall_base", d,
+                     d->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts));
   OpContext ctx{"all_to_all_single", getRank()};
   auto in = input(input_tensor, ctx);
   check_same_dtype(in, output_tensor, ctx);
@@ -694,7 +698,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllToAllOptions& opts) {
-  if (auto d = delegate(inputs, "alltoall")) return d->alltoall(outputs, inputs, opts);
+  if (auto d = delegate(inputs, "alltoall")) return delegated("alltoall", d, d->alltoall(outputs, inputs, opts));
   OpContext ctx{"all_to_all", getRank()};
   int ws = getSize();
   TORCH_CHECK(inputs.size() == static_cast<size_t>(ws) && outputs.size() == static_cast<size_t>(ws),
@@ -738,7 +742,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& tensors,
                                                       int dst_rank, int tag) {
-  if (auto d = delegate(tensors, "send")) return d->send(tensors, dst_rank, tag);
+  if (auto d = delegate(tensors, "send")) return delegated("send", d, d->send(tensors, dst_rank, tag));
   OpContext ctx{"send", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), "tide send: rank ",
@@ -751,7 +755,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& tensors,
                                                       int src_rank, int tag) {
-  if (auto d = delegate(tensors, "recv")) return d->recv(tensors, src_rank, tag);
+  if (auto d = delegate(tensors, "recv")) return delegated("recv", d, d->recv(tensors, src_rank, tag));
   OpContext ctx{"recv", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), "tide recv: rank ",
@@ -842,6 +846,14 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::delegate(const std::vector<a
   TORCH_CHECK(cpu_, "tide ", op, ": rank ", getRank(), ": this group spans ", num_nodes_,
               " nodes, and no inter-node backend (gloo) was set for its CPU tensors");
   return cpu_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::delegated(const char* op, const c10::intrusive_ptr<c10d::Backend>& d,
+                                                           c10::intrusive_ptr<c10d::Work> work) const {
+  if (d != cpu_) return work;
+  return c10::make_intrusive<DelegatedWork>(
+      std::move(work), tide::detail::concat("tide ", op, ": rank ", getRank(), ": across ", num_nodes_,
+                                            " nodes, gloo (this group's standard ops on CPU tensors) failed"));
 }
 
 std::pair<std::string, std::string> ProcessGroupTide::cuda_path_choice(int device) {
@@ -1031,7 +1043,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_deferred(c10d::OpType op, c
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions& opts) {
-  if (auto d = delegate({}, "barrier")) return d->barrier(const_cast<c10d::BarrierOptions&>(opts));
+  if (auto d = delegate({}, "barrier"))
+    return delegated("barrier", d, d->barrier(const_cast<c10d::BarrierOptions&>(opts)));
   return enqueue(c10d::OpType::BARRIER, "tide:barrier", {}, [this]() { comm_->barrier(); });
 }
 

@@ -184,6 +184,10 @@ class ProcessGroupTide : public c10d::Backend {
   // The backend that runs a standard op on `tensors` instead of the host transport: NCCL
   // for CUDA tensors, gloo on a group of several nodes; null: the host transport runs it.
   c10::intrusive_ptr<c10d::Backend> delegate(const std::vector<at::Tensor>& tensors, const char* op) const;
+  // The delegate's Work for `op`: gloo's with its failures as DistBackendError (DelegatedWork.hpp);
+  // NCCL's as it is (NCCL raises DistBackendError itself).
+  c10::intrusive_ptr<c10d::Work> delegated(const char* op, const c10::intrusive_ptr<c10d::Backend>& d,
+                                           c10::intrusive_ptr<c10d::Work> work) const;
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);

@@ -326,9 +326,22 @@ def test_reduce_scatter_traffic_matches_the_model(monkeypatch, ws, local):
 
 
 def _dead_peer_across_nodes_worker(rank, ws, collective):
-    """Rank 1 (the other node) exits once the model is sharded; rank 0 runs a step."""
-    import torch.distributed as dist  # noqa: F401
+    """Rank 1 (the other node) exits once the model is sharded; rank 0 runs a step, or a
+    standard op (the gloo delegate's), waited on and through its future."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+
+    if collective == "all_reduce":
+        dist.all_reduce(torch.ones(8))  # both alive
+        if rank == 1:
+            os._exit(0)
+        errors = []
+        for wait in (lambda w: w.wait(), lambda w: w.get_future().wait()):
+            try:
+                wait(dist.all_reduce(torch.ones(8), async_op=True))
+            except Exception as e:  # noqa: BLE001
+                errors.append((type(e).__name__, str(e)))
+        return errors
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
@@ -346,12 +359,21 @@ def _dead_peer_across_nodes_worker(rank, ws, collective):
     return None, ""
 
 
-@pytest.mark.parametrize("collective", ["all-gather", "reduce-scatter"])
+@pytest.mark.parametrize("collective", ["all-gather", "reduce-scatter", "all_reduce"])
 def test_a_dead_peer_across_nodes_is_named(monkeypatch, collective):
     """A peer on another node dies: the survivor's inter-node exchange fails with torch's
     DistBackendError naming the engine and the peer (the engines once moved the failed
-    exchange away before formatting its peers: "with ranks  failed")."""
+    exchange away before formatting its peers: "with ranks  failed"); a standard op, which
+    gloo runs, with DistBackendError naming the op and the rank (gloo's own is a bare
+    RuntimeError), from Work.wait() and from its future."""
     monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "1")
-    kind, msg = run_ranks(_dead_peer_across_nodes_worker, 2, collective, expect_exit={1}, pg_timeout_s=20)[0]
+    result = run_ranks(_dead_peer_across_nodes_worker, 2, collective, expect_exit={1}, pg_timeout_s=20)[0]
+    if collective == "all_reduce":
+        assert len(result) == 2, result
+        for kind, msg in result:
+            assert kind == "DistBackendError", (kind, msg)
+            assert msg.startswith("tide allreduce: rank 0: across 2 nodes, gloo"), msg
+        return
+    kind, msg = result
     assert kind == "DistBackendError", (kind, msg)
     assert "inter-node exchange over gloo with ranks 1 failed" in msg, msg
