@@ -138,6 +138,15 @@ struct StagingReport {
   size_t direct_bytes = 0;    // across nodes: bytes sent straight from the gradients
 };
 
+// One send or receive of a group that progresses together (Comm::send_recv).
+struct P2POp {
+  bool send = true;
+  void* buf = nullptr;  // read by a send, written by a receive
+  size_t bytes = 0;
+  int peer = -1;
+  int tag = 0;
+};
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -180,6 +189,11 @@ class Comm {
   // Point to point: matched in call order per (sender, receiver) pair; tags must match.
   virtual void send(const void* buf, size_t bytes, int peer, int tag) = 0;
   virtual void recv(void* buf, size_t bytes, int peer, int tag) = 0;
+  // Sends and receives that progress together, as NCCL's grouped ones (torch's
+  // batch_isend_irecv); returns when all are done. A send blocks once the channel to its peer
+  // is full, so ranks that each send to the next and then receive from the previous deadlock
+  // with send() and recv() one at a time, not here. Per pair they match in order, as single ones.
+  virtual void send_recv(std::span<const P2POp> ops) = 0;
 
   // ---- the FSDP2 zero-copy path -------------------------------------------------------
   // Collective: every rank passes the size of its own part.

@@ -92,6 +92,10 @@ class Transport {
   // Until `peer`'s flag reaches `value` (acquire). Throws TimeoutError when the current op's
   // deadline passes, or the peer died or aborted.
   virtual void wait(int peer, Flag flag, uint64_t value) = 0;
+  // wait(), for at most `at_most` (zero: a look): whether the flag reached `value`. For a rank
+  // waiting on several peers at once (grouped send/recv); the deadline and the peer's
+  // liveness are checked as in wait().
+  virtual bool wait_for(int peer, Flag flag, uint64_t value, std::chrono::microseconds at_most) = 0;
   // How long wait() spins before it sleeps.
   virtual std::chrono::microseconds wait_spin() const = 0;
   // Where every counter (pipeline steps, p2p chunks, exchanges) starts; every flag holds it

@@ -71,8 +71,8 @@ void scatter(Ctx& c, std::span<const void* const> ins, void* out, size_t bytes, 
 void all_to_all(Ctx& c, const void* in, std::span<const size_t> send_bytes, std::span<const size_t> send_offsets,
                 void* out, std::span<const size_t> recv_bytes, std::span<const size_t> recv_offsets,
                 size_t max_bytes);
-void send(Ctx& c, const void* buf, size_t bytes, int peer, int tag);
-void recv(Ctx& c, void* buf, size_t bytes, int peer, int tag);
+// Sends and receives, one or several, progressing together (send_recv.cpp).
+void send_recv(Ctx& c, std::span<const P2POp> ops);
 
 // The FSDP2 zero-copy path: TIDE-AG on one host (param_all_gather.cpp). Arguments are
 // checked and agreed; the descriptor exchange before them is the opening barrier.

@@ -302,17 +302,22 @@ class HostComm final : public Comm {
   }
 
   void send(const void* buf, size_t bytes, int peer, int tag) override {
-    p2p("send", peer, bytes, tag, [&] {
-      check_ptr("send", buf, bytes, "buffer");
-      algo::send(ctx_, buf, bytes, peer, tag);
-    });
+    const P2POp op{true, const_cast<void*>(buf), bytes, peer, tag};  // a send only reads it
+    p2p("send", detail::concat("bytes=", bytes, " tag=", tag), {&op, 1});
   }
 
   void recv(void* buf, size_t bytes, int peer, int tag) override {
-    p2p("recv", peer, bytes, tag, [&] {
-      check_ptr("recv", buf, bytes, "buffer");
-      algo::recv(ctx_, buf, bytes, peer, tag);
-    });
+    const P2POp op{false, buf, bytes, peer, tag};
+    p2p("recv", detail::concat("bytes=", bytes, " tag=", tag), {&op, 1});
+  }
+
+  void send_recv(std::span<const P2POp> ops) override {
+    size_t sends = 0, bytes = 0;
+    for (const P2POp& op : ops) {
+      sends += op.send;
+      bytes += op.bytes;
+    }
+    p2p("send_recv", detail::concat(sends, " sends and ", ops.size() - sends, " receives, ", bytes, " bytes"), ops);
   }
 
  private:
@@ -333,13 +338,15 @@ class HostComm final : public Comm {
     });
   }
 
-  template <class Body>
-  void p2p(const char* name, int peer, size_t bytes, int tag, Body&& body) {
+  void p2p(const char* name, std::string detail, std::span<const P2POp> ops) {
     guard(name, [&] {
-      t_->begin(name, detail::concat("bytes=", bytes, " tag=", tag));
-      TIDE_CHECK(peer >= 0 && peer < ws_ && peer != rank_, "tide ", name, ": rank ", rank_, " got peer ", peer,
-                 " (world_size=", ws_, ")");
-      body();
+      t_->begin(name, std::move(detail));
+      for (const P2POp& op : ops) {
+        TIDE_CHECK(op.peer >= 0 && op.peer < ws_ && op.peer != rank_, "tide ", name, ": rank ", rank_, " got peer ",
+                   op.peer, " (world_size=", ws_, ")");
+        check_ptr(name, op.buf, op.bytes, "buffer");
+      }
+      algo::send_recv(ctx_, ops);
     });
   }
 

@@ -180,6 +180,18 @@ void check_same_dtype(const at::Tensor& a, const at::Tensor& b, const OpContext&
 
 size_t nbytes(const at::Tensor& t) { return static_cast<size_t>(t.numel()) * t.element_size(); }
 
+// A peer's failure (tide::TimeoutError) as what ProcessGroupNCCL and ProcessGroupGloo raise
+// for it; any other error as it is.
+std::exception_ptr torch_error(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const tide::TimeoutError& e) {
+    return std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, e.what()));
+  } catch (...) {
+    return error;
+  }
+}
+
 bool is_cuda(const std::vector<at::Tensor>& tensors) {
   return !tensors.empty() && tensors[0].defined() && tensors[0].is_cuda();
 }
@@ -265,11 +277,8 @@ void ProcessGroupTide::worker_loop() {
     std::exception_ptr eptr;
     try {
       item.second();
-    } catch (const tide::TimeoutError& e) {
-      // A peer failed: what ProcessGroupNCCL and ProcessGroupGloo raise for it.
-      eptr = std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, e.what()));
     } catch (...) {
-      eptr = std::current_exception();
+      eptr = torch_error(std::current_exception());
     }
     item.first->complete(eptr);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -742,12 +751,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& tensors,
                                                       int dst_rank, int tag) {
-  if (auto d = delegate(tensors, "send")) return delegated("send", d, d->send(tensors, dst_rank, tag));
+  if (auto d = delegate(tensors, "send")) return coalesce(d, delegated("send", d, d->send(tensors, dst_rank, tag)));
   OpContext ctx{"send", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(dst_rank >= 0 && dst_rank < getSize() && dst_rank != getRank(), "tide send: rank ",
               getRank(), ": invalid destination rank ", dst_rank, " in a group of ", getSize());
   auto in = input(tensors[0], ctx, "tensor");
+  if (coalescing_)
+    return coalesce(c10d::OpType::SEND, "tide:send", {true, in.data_ptr(), nbytes(in), dst_rank, tag}, tensors,
+                    [in] {});
   return enqueue(c10d::OpType::SEND, "tide:send", tensors, [=, this]() {
     comm_->send(in.data_ptr(), nbytes(in), dst_rank, tag);
   });
@@ -755,12 +767,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::send(std::vector<at::Tensor>& t
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& tensors,
                                                       int src_rank, int tag) {
-  if (auto d = delegate(tensors, "recv")) return delegated("recv", d, d->recv(tensors, src_rank, tag));
+  if (auto d = delegate(tensors, "recv")) return coalesce(d, delegated("recv", d, d->recv(tensors, src_rank, tag)));
   OpContext ctx{"recv", getRank()};
   check_single(tensors, ctx);
   TORCH_CHECK(src_rank >= 0 && src_rank < getSize() && src_rank != getRank(), "tide recv: rank ",
               getRank(), ": invalid source rank ", src_rank, " in a group of ", getSize());
   auto out = output(tensors[0], ctx, "tensor");
+  if (coalescing_)
+    return coalesce(c10d::OpType::RECV, "tide:recv", {false, out.data(), nbytes(out.buf), src_rank, tag}, tensors,
+                    [out]() mutable { out.finish(); });
   return enqueue(c10d::OpType::RECV, "tide:recv", tensors, [=, this]() mutable {
     comm_->recv(out.data(), nbytes(out.buf), src_rank, tag);
     out.finish();
@@ -770,6 +785,58 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::Tensor>&, int) {
   TORCH_CHECK(false, "tide recv: rank ", getRank(),
               ": receiving from any source is not supported; name the source rank");
+}
+
+void ProcessGroupTide::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "tide startCoalescing: rank ", getRank(), ": a coalescing block is already open");
+  coalescing_ = true;
+  if (cuda_) cuda_->startCoalescing();  // CUDA tensors' ops in the block: one NCCL group, as stock
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::coalesce(c10d::OpType type, const char* name, const tide::P2POp& op,
+                                                          std::vector<at::Tensor> tensors,
+                                                          std::function<void()> finish) {
+  auto work = c10::make_intrusive<WorkTide>(type, name, std::move(tensors));
+  coalesced_p2p_.push_back({op, std::move(finish), work});
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::coalesce(const c10::intrusive_ptr<c10d::Backend>& d,
+                                                          c10::intrusive_ptr<c10d::Work> delegated) {
+  if (coalescing_ && d == cpu_) coalesced_gloo_.push_back(delegated);  // NCCL's group has its own Work
+  return delegated;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTide::endCoalescing() {
+  TORCH_CHECK(coalescing_, "tide endCoalescing: rank ", getRank(), ": no coalescing block is open");
+  coalescing_ = false;
+  std::vector<CoalescedP2P> p2p;
+  p2p.swap(coalesced_p2p_);
+  std::vector<c10::intrusive_ptr<c10d::Work>> gloo;
+  gloo.swap(coalesced_gloo_);
+  // NCCL's group ends first: launched, its Work is the block's when it had CUDA tensors.
+  c10::intrusive_ptr<c10d::Work> nccl = cuda_ ? cuda_->endCoalescing() : nullptr;
+  TORCH_CHECK(!nccl || (p2p.empty() && gloo.empty()), "tide endCoalescing: rank ", getRank(),
+              ": the block (batch_isend_irecv) mixed CUDA and CPU tensors; batch each device's separately");
+  // On the worker, after whatever it had: also what the block's "fast path" (torch's
+  // allreduce_coalesced and the like, issued just before this) queued there. gloo's sends
+  // and receives (across nodes) are waited for there too: they have no future of their own.
+  auto host = enqueue(c10d::OpType::COALESCED, "tide:send_recv", {}, [this, p2p, gloo]() {
+    for (const auto& w : gloo) w->wait();
+    if (p2p.empty()) return;
+    std::vector<tide::P2POp> ops;
+    for (const CoalescedP2P& c : p2p) ops.push_back(c.op);
+    std::exception_ptr error;
+    try {
+      comm_->send_recv(ops);
+      for (const CoalescedP2P& c : p2p) c.finish();
+    } catch (...) {
+      error = torch_error(std::current_exception());
+    }
+    for (const CoalescedP2P& c : p2p) c.work->complete(error);
+    if (error) std::rethrow_exception(error);
+  });
+  return nccl ? nccl : host;
 }
 
 void ProcessGroupTide::set_cpu_delegate(c10::intrusive_ptr<c10d::Backend> gloo) { cpu_ = std::move(gloo); }

@@ -98,6 +98,16 @@ class ProcessGroupTide : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
                                                int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // A coalescing block (torch's batch_isend_irecv, _coalescing_manager with a device): the
+  // host's sends and receives issued in it wait for endCoalescing and then progress together
+  // (Comm::send_recv), so ranks that each send to the next and receive from the previous do
+  // not deadlock; other ops run as they come. Across nodes gloo runs them as they come; CUDA
+  // tensors' go to the NCCL delegate's own block. endCoalescing's Work: NCCL's where the block
+  // had CUDA tensors, else done when the worker has run what it had before it, the host's
+  // sends and receives, and waited for gloo's.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
   // Standard ops on CUDA tensors go to this NCCL backend (python/tide/_backend.py creates
   // it where CUDA and NCCL exist), so a tide group is a complete CUDA backend.
@@ -188,6 +198,12 @@ class ProcessGroupTide : public c10d::Backend {
   // NCCL's as it is (NCCL raises DistBackendError itself).
   c10::intrusive_ptr<c10d::Work> delegated(const char* op, const c10::intrusive_ptr<c10d::Backend>& d,
                                            c10::intrusive_ptr<c10d::Work> work) const;
+  // In a coalescing block: keeps a host send / receive for endCoalescing (`finish` runs after
+  // it: a receive's copy into a non-contiguous tensor), or gloo's Work (any time: returned as is).
+  c10::intrusive_ptr<c10d::Work> coalesce(c10d::OpType type, const char* name, const tide::P2POp& op,
+                                          std::vector<at::Tensor> tensors, std::function<void()> finish);
+  c10::intrusive_ptr<c10d::Work> coalesce(const c10::intrusive_ptr<c10d::Backend>& d,
+                                          c10::intrusive_ptr<c10d::Work> delegated);
   std::function<void()> prepare_reduce_scatter_tensor(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts,
                                                       const char* name);
@@ -217,6 +233,15 @@ class ProcessGroupTide : public c10d::Backend {
   std::vector<Queued> finished_;
   bool stop_ = false;
   std::thread worker_;
+  // The coalescing block (the caller's thread only, as torch issues it).
+  struct CoalescedP2P {
+    tide::P2POp op;
+    std::function<void()> finish;
+    c10::intrusive_ptr<WorkTide> work;  // what the send / receive call returned
+  };
+  bool coalescing_ = false;
+  std::vector<CoalescedP2P> coalesced_p2p_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_gloo_;
 };
 
 }  // namespace tide::torch_backend

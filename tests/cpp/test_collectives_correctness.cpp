@@ -275,6 +275,48 @@ TEST_P(ByWorldSize, SendRecvRingAndPairs) {
   });
 }
 
+// Grouped sends and receives (torch's batch_isend_irecv): each rank sends to both ring
+// neighbours before receiving, messages many times the channel ring (single sends then
+// receives deadlock there), several to one peer in order (at world size 2 both neighbours
+// are one peer: eight in order), 0 and 1 bytes among them.
+TEST_P(ByWorldSize, GroupedSendRecvBothWaysAroundTheRing) {
+  run([](Rank& rk) {
+    auto comm = rk.comm(small_staging());
+    const int ws = rk.world_size, me = rk.rank;
+    if (ws == 1) return;
+    const int next = (me + 1) % ws, prev = (me + ws - 1) % ws;
+    const std::vector<size_t> sizes{40 * kStaging + 3, 0, 1, 5 * kStaging};
+    auto message = [&](int from, int to, size_t i) {
+      return random_elems(DType::u8, sizes[i], data_seed(rk, from, 7000 + static_cast<uint64_t>(to) * 16 + i));
+    };
+    for (int round = 0; round < 2; ++round) {
+      std::vector<std::vector<uint8_t>> out, in;
+      std::vector<P2POp> ops;
+      for (int to : {next, prev}) {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          out.push_back(message(me, to, i));
+          ops.push_back({true, out.back().data(), sizes[i], to, static_cast<int>(i)});
+        }
+      }
+      for (int from : {prev, next}) {
+        for (size_t i = 0; i < sizes.size(); ++i) {
+          in.emplace_back(sizes[i]);
+          ops.push_back({false, in.back().data(), sizes[i], from, static_cast<int>(i)});
+        }
+      }
+      comm->send_recv(ops);
+      for (const P2POp& op : ops) {
+        if (op.send) continue;
+        const size_t i = static_cast<size_t>(op.tag);
+        const auto* got = static_cast<const uint8_t*>(op.buf);
+        TIDE_REQUIRE(std::vector<uint8_t>(got, got + op.bytes) == message(op.peer, me, i), "round ", round,
+                     ": message ", i, " from rank ", op.peer);
+      }
+    }
+    comm->barrier();
+  });
+}
+
 TEST_P(ByWorldSize, SeveralCommunicatorsInterleaved) {
   run([](Rank& rk) {
     auto a = rk.comm(small_staging(), "/a");

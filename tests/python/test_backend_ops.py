@@ -405,3 +405,48 @@ def test_collectives_match_reference(worker, ws):
     failures = run_ranks(worker, ws, timeout=300)
     flat = [f"rank {r}: {msg}" for r, fs in enumerate(failures) for msg in fs]
     assert not flat, "\n".join(flat[:40])
+
+
+# ---- torch's batch_isend_irecv: grouped sends and receives --------------------------------------
+
+def _p2p_message(src, dst, i):
+    g = torch.Generator().manual_seed(1000 * src + 10 * dst + i)
+    return [torch.randn(3_000_000, generator=g),  # 12 MB: far beyond a host channel ring
+            torch.randn(7, 5, generator=g).to(torch.bfloat16),
+            torch.randint(-5, 5, (0,), generator=g)][i]
+
+
+def batch_p2p_worker(rank, ws, strided):
+    """Every rank sends three messages to each ring neighbour, then receives them (with
+    `strided`, one into a non-contiguous tensor, which gloo refuses), all in one
+    batch_isend_irecv; each message is the one its sender was seeded with. Sent one at a
+    time, the 12 MB ones deadlock on the host transport."""
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+    ops, got = [], []
+    for to in (nxt, prv):
+        for i in range(3):
+            ops.append(dist.P2POp(dist.isend, _p2p_message(rank, to, i), to, tag=i))
+    for frm in (prv, nxt):
+        for i in range(3):
+            want = _p2p_message(frm, rank, i)
+            buf = torch.empty(5, 7, dtype=want.dtype).t() if i == 1 and strided else torch.empty_like(want)
+            got.append((frm, i, buf))
+            ops.append(dist.P2POp(dist.irecv, buf, frm, tag=i))
+    works = dist.batch_isend_irecv(ops)
+    for w in works:
+        w.wait()
+        w.get_future().wait()
+    wrong = [(frm, i) for frm, i, buf in got if not torch.equal(buf, _p2p_message(frm, rank, i))]
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return dict(wrong=wrong, works=len(works), coalescing=backend.supports_coalescing)
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+def test_batch_isend_irecv_around_a_ring(monkeypatch, nodes):
+    """3 ranks on one node (the host transport: the batch progresses as one group) and on
+    three pseudo-nodes (gloo's sends and receives, one Work for the batch)."""
+    if nodes == 3:
+        monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "1")
+    for rank, out in enumerate(run_ranks(batch_p2p_worker, 3, nodes == 1, timeout=120, pg_timeout_s=30)):
+        assert out["coalescing"] and out["works"] == 1, (rank, out)
+        assert not out["wrong"], f"rank {rank}: wrong messages (from rank, index): {out['wrong']}"

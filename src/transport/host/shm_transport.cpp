@@ -468,6 +468,18 @@ class ShmTransport final : public Transport {
   }
 
 
+  bool wait_for(int peer, Flag f, uint64_t counter, std::chrono::microseconds at_most) override {
+    FlagLine& l = flag(peer, f);
+    const uint32_t value = static_cast<uint32_t>(counter);
+    if (l.reached(value)) return true;
+    if (at_most.count() <= 0) return false;
+    if (l.spin(value, std::min(spin_, at_most))) return true;
+    const auto slice = std::min<std::chrono::microseconds>(kNap, at_most);
+    if (l.sleep(value, timespec{0, std::chrono::duration_cast<std::chrono::nanoseconds>(slice).count()})) return true;
+    check_alive(peer);
+    return false;
+  }
+
   void exchange(const void* mine, size_t bytes, void* all) override {
     TIDE_CHECK(bytes <= layout_.record_bytes, "tide: control record of ", bytes, " bytes exceeds ",
                layout_.record_bytes);
