@@ -302,6 +302,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(tensors, "broadcast")) return delegated("broadcast", d, d->broadcast(tensors, opts));
   OpContext ctx{"broadcast", getRank()};
   check_nonempty(tensors, ctx);
@@ -324,6 +325,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::broadcast(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(tensors, "allreduce")) return delegated("allreduce", d, d->allreduce(tensors, opts));
   OpContext ctx{"allreduce", getRank()};
   check_nonempty(tensors, ctx);
@@ -353,6 +355,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce(std::vector<at::Tenso
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(tensors, "allreduce_coalesced"))
     return delegated("allreduce_coalesced", d, d->allreduce_coalesced(tensors, opts));
   OpContext ctx{"allreduce_coalesced", getRank()};
@@ -376,6 +379,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>& tensors,
                                                         const c10d::ReduceOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(tensors, "reduce")) return delegated("reduce", d, d->reduce(tensors, opts));
   OpContext ctx{"reduce", getRank()};
   check_single(tensors, ctx);
@@ -394,6 +398,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(inputs, "allgather")) return delegated("allgather", d, d->allgather(outputs, inputs, opts));
   OpContext ctx{"allgather", getRank()};
   check_single(inputs, ctx);
@@ -419,6 +424,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& output_tensor,
                                                                  at::Tensor& input_tensor,
                                                                  const c10d::AllgatherOptions& opts) {
+  ++collective_seq_;
   if (auto deferred = run_deferred(c10d::OpType::_ALLGATHER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({input_tensor}, "_allgather_base"))
     return delegated("_allgather_base", d, d->_allgather_base(output_tensor, input_tensor, opts));
@@ -442,6 +448,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_allgather_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(inputs, "allgather_coalesced"))
     return delegated("allgather_coalesced", d, d->allgather_coalesced(output_lists, inputs, opts));
   OpContext ctx{"allgather_coalesced", getRank()};
@@ -480,6 +487,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(inputs, "allgather_into_tensor_coalesced"))
     return delegated("allgather_into_tensor_coalesced", d,
                      d->allgather_into_tensor_coalesced(outputs, inputs, opts));
@@ -512,6 +520,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::allgather_into_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(inputs, "gather")) return delegated("gather", d, d->gather(outputs, inputs, opts));
   OpContext ctx{"gather", getRank()};
   check_single(inputs, ctx);
@@ -545,6 +554,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::gather(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(outputs, "scatter")) return delegated("scatter", d, d->scatter(outputs, inputs, opts));
   OpContext ctx{"scatter", getRank()};
   check_single(outputs, ctx);
@@ -576,6 +586,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::scatter(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(outputs, "reduce_scatter"))
     return delegated("reduce_scatter", d, d->reduce_scatter(outputs, inputs, opts));
   OpContext ctx{"reduce_scatter", getRank()};
@@ -627,6 +638,7 @@ std::function<void()> ProcessGroupTide::prepare_reduce_scatter_tensor(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, const c10d::ReduceScatterOptions& opts) {
+  ++collective_seq_;
   if (auto deferred = run_deferred(c10d::OpType::_REDUCE_SCATTER_BASE, output_tensor, input_tensor)) return deferred;
   if (auto d = delegate({output_tensor}, "_reduce_scatter_base"))
     return delegated("_reduce_scatter_base", d, d->_reduce_scatter_base(output_tensor, input_tensor, opts));
@@ -638,6 +650,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(outputs, "reduce_scatter_tensor_coalesced"))
     return delegated("reduce_scatter_tensor_coalesced", d,
                      d->reduce_scatter_tensor_coalesced(outputs, inputs, opts));
@@ -656,6 +669,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::reduce_scatter_tensor_coalesced
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
     at::Tensor& output_tensor, at::Tensor& input_tensor, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate({input_tensor}, "alltoall_base"))
     return delegated("alltoall_base", d,
                      d->alltoall_base(output_tensor, input_tensor, output_split_sizes, input_split_sizes, opts));
@@ -707,6 +721,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall_base(
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::alltoall(std::vector<at::Tensor>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllToAllOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate(inputs, "alltoall")) return delegated("alltoall", d, d->alltoall(outputs, inputs, opts));
   OpContext ctx{"all_to_all", getRank()};
   int ws = getSize();
@@ -1110,6 +1125,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::run_deferred(c10d::OpType op, c
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::barrier(const c10d::BarrierOptions& opts) {
+  ++collective_seq_;
   if (auto d = delegate({}, "barrier"))
     return delegated("barrier", d, d->barrier(const_cast<c10d::BarrierOptions&>(opts)));
   return enqueue(c10d::OpType::BARRIER, "tide:barrier", {}, [this]() { comm_->barrier(); });

@@ -106,6 +106,11 @@ class ProcessGroupTide : public c10d::Backend {
   // had CUDA tensors, else done when the worker has run what it had before it, the host's
   // sends and receives, and waited for gloo's.
   bool supportsCoalescing() const override { return true; }
+  // The collectives issued on the group so far (sends and receives not counted, as NCCL's
+  // collective sequence): what TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper compares across ranks
+  // before each collective. It starts at 0 on every rank; setting it is a no-op, as in torch 2.15.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -240,6 +245,7 @@ class ProcessGroupTide : public c10d::Backend {
     c10::intrusive_ptr<WorkTide> work;  // what the send / receive call returned
   };
   bool coalescing_ = false;
+  std::atomic<uint64_t> collective_seq_{0};
   std::vector<CoalescedP2P> coalesced_p2p_;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_gloo_;
 };

@@ -561,3 +561,46 @@ def test_set_timeout_reaches_every_communicator_of_the_group(monkeypatch, nodes)
     assert msg is not None and msg.startswith("DistBackendError: tide all"), msg
     assert ("rank 1 timed out" in msg and "rank 0" in msg) if nodes == 1 else "rank 1: across 2 nodes" in msg, msg
     assert PG_TIMEOUT_S - 0.5 < elapsed < PG_TIMEOUT_S + slack(3), f"gave up after {elapsed:.1f} s"
+
+
+# ---- TORCH_DISTRIBUTED_DEBUG=DETAIL: torch's wrapper checks each collective across ranks -------
+
+def debug_detail(rank):
+    dist.set_debug_level(dist.DebugLevel.DETAIL)  # the fork server imported torch before the test
+
+
+def debug_detail_worker(rank, ws):
+    """Through the wrapper that DETAIL puts around every backend: an FSDP2 step on TIDE's
+    path and a standard op (the wrapper compares each collective's sequence number and
+    arguments across ranks first: the backend's sequence numbers must agree), then a shape
+    mismatch, which the wrapper reports before the collective runs."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tide.fsdp import _paths
+
+    out = {"backend": type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    for _ in range(2):
+        model(torch.randn(4, 64)).sum().backward()
+    out["paths"] = dict(_paths.stats)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    out["sum"] = t.tolist()
+    out["mismatch"] = expect_error(lambda: dist.all_reduce(torch.ones(10 + rank)))
+    return out
+
+
+def test_torch_distributed_debug_detail_wraps_a_tide_group():
+    """tide once failed the first collective under DETAIL ("Backend tide does not yet support
+    sequence numbers"), and its FSDP2 path did not see the tide group under the wrapper."""
+    for rank, out in enumerate(run_ranks(debug_detail_worker, 2, before_init=debug_detail, pg_timeout_s=30)):
+        assert out["backend"] == "_ProcessGroupWrapper", out["backend"]
+        paths = out["paths"]
+        assert paths["zero_copy_all_gather"] > 0 and paths["zero_copy_reduce_scatter"] > 0, (rank, paths)
+        assert paths["stock_all_gather"] == 0 and paths["stock_reduce_scatter"] == 0, (rank, paths)
+        assert out["sum"] == [3.0] * 4
+        assert out["mismatch"] and "Detected mismatch between collectives" in out["mismatch"], out["mismatch"]

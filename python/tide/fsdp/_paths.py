@@ -64,6 +64,10 @@ def tide_backend(group, device):
         backend = group._get_backend(device)
     except (RuntimeError, ValueError):
         return None
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps every backend to check each collective's arguments
+    # across ranks first; FSDP2's collectives still pass through the wrapper (the c10d calls
+    # that run TIDE's kept ones), and TIDE's own calls go to the group under it.
+    backend = getattr(backend, "wrapped_pg", backend)
     return backend if isinstance(backend, _C.ProcessGroupTide) else None
 
 
