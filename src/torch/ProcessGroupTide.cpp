@@ -1,7 +1,10 @@
 #include "ProcessGroupTide.hpp"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
+#include <pybind11/chrono.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "DelegatedWork.hpp"
@@ -219,7 +222,11 @@ void WorkTide::complete(std::exception_ptr eptr) {
 ProcessGroupTide::ProcessGroupTide(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                    std::chrono::milliseconds timeout, const std::string& group_name,
                                    int job_rank)
-    : c10d::Backend(rank, size), store_(store), group_name_(group_name), timeout_(timeout) {
+    : c10d::Backend(rank, size),
+      store_(store),
+      group_name_(group_name),
+      job_rank_(job_rank >= 0 ? job_rank : rank),
+      timeout_(timeout) {
   C10dStore tide_store(store);
   CommOptions options;
   options.timeout = timeout;
@@ -800,6 +807,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recv(std::vector<at::Tensor>& t
 c10::intrusive_ptr<c10d::Work> ProcessGroupTide::recvAnysource(std::vector<at::Tensor>&, int) {
   TORCH_CHECK(false, "tide recv: rank ", getRank(),
               ": receiving from any source is not supported; name the source rank");
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTide::getBackendOptions() {
+  auto options = c10::make_intrusive<Options>(getBackendName(), timeout_.load());
+  options->group_name = group_name_;
+  return options;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          const std::vector<int>& ranks,
+                                                          const c10::intrusive_ptr<Options>& opts) {
+  const auto mine = std::find(ranks.begin(), ranks.end(), getRank());
+  if (mine == ranks.end()) return nullptr;
+  const std::chrono::milliseconds timeout = opts ? opts->timeout : timeout_.load();
+  const std::string name = opts && !opts->group_name.empty() ? opts->group_name : group_name_ + ":split";
+  pybind11::gil_scoped_acquire gil;
+  pybind11::object made = pybind11::module_::import("tide._backend")
+                              .attr("create")(store, static_cast<int>(mine - ranks.begin()),
+                                              static_cast<int>(ranks.size()), timeout, name, job_rank_);
+  return made.cast<c10::intrusive_ptr<ProcessGroupTide>>();
 }
 
 void ProcessGroupTide::startCoalescing() {

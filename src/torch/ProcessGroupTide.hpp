@@ -110,6 +110,13 @@ class ProcessGroupTide : public c10d::Backend {
   // collective sequence): what TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper compares across ranks
   // before each collective. It starts at 0 on every rank; setting it is a no-op, as in torch 2.15.
   void setSequenceNumberForGroup() override {}
+  // dist.split_group (torch 2.15's ProcessGroup.split_group): this rank's part of `ranks` (this
+  // group's ranks), a new tide group made as init_process_group makes one
+  // (python/tide/_backend.py's create, its delegates included); null where this rank is not in it.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
   uint64_t getSequenceNumberForGroup() override { return collective_seq_.load(); }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
@@ -226,6 +233,7 @@ class ProcessGroupTide : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::string group_name_;
+  int job_rank_;  // this process's rank in the job, whatever the group
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout, from any thread
   tide::StagingReport last_staging_;
   std::mutex mutex_;

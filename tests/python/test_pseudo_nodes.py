@@ -377,3 +377,45 @@ def test_a_dead_peer_across_nodes_is_named(monkeypatch, collective):
     kind, msg = result
     assert kind == "DistBackendError", (kind, msg)
     assert "inter-node exchange over gloo with ranks 1 failed" in msg, msg
+
+
+def _split_worker(rank, ws):
+    """dist.split_group on 2 x 2 pseudo-nodes: splits inside the nodes, across them, and one
+    that leaves two ranks out; each split's all_reduce against its members' seeded tensors
+    summed in float64."""
+    import torch.distributed as dist
+
+    def mine(r, salt):
+        return torch.randn(1000, generator=torch.Generator().manual_seed(100 * salt + r))
+
+    out = {}
+    for salt, splits in enumerate(([[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 3]])):
+        group = dist.split_group(split_ranks=splits)
+        members = next((s for s in splits if rank in s), None)
+        if members is None:
+            out[salt] = ("not a member", group is dist.GroupMember.NON_GROUP_MEMBER)
+            continue
+        backend = group._get_backend(torch.device("cpu"))
+        t = mine(rank, salt)
+        dist.all_reduce(t, group=group)
+        want = sum(mine(r, salt).double() for r in members)
+        # Two members: their fp32 sum is the float64 one rounded, bit for bit.
+        out[salt] = (type(backend).__name__, backend.num_nodes(), torch.equal(t, want.float()))
+    return out
+
+
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 15),
+                    reason=f"torch {torch.__version__}'s split_group splits only CUDA groups (it needs a device "
+                           "bound to the default group); from 2.15 it splits CPU groups too")
+def test_split_group_makes_tide_groups_that_keep_their_nodes(monkeypatch):
+    """dist.split_group (ProcessGroupTide::split) gives tide groups whose ranks keep their
+    pseudo-nodes: a split inside a node runs on its host transport, one across nodes on gloo
+    between them (tide once refused to split: "its backend does not support splitting")."""
+    monkeypatch.setenv("TIDE_LOCAL_WORLD_SIZE", "2")
+    for rank, out in enumerate(run_ranks(_split_worker, 4)):
+        assert out[0] == ("ProcessGroupTide", 1, True), (rank, out)
+        assert out[1] == ("ProcessGroupTide", 2, True), (rank, out)
+        if rank in (0, 3):
+            assert out[2] == ("ProcessGroupTide", 2, True), (rank, out)
+        else:
+            assert out[2] == ("not a member", True), (rank, out)
