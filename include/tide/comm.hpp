@@ -161,6 +161,9 @@ class Comm {
   // it for the collectives that begin after it (the group's setTimeout).
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
+  // From any thread: the collective in progress and every later one raise TimeoutError with
+  // `why` on this rank, and peers waiting on it fail fast (the group's ProcessGroup.abort).
+  virtual void abort(const std::string& why) = 0;
 
   // outs[r] receives rank r's `count` elements of `in`. outs.size() == world_size.
   virtual void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) = 0;

@@ -114,7 +114,8 @@ class Transport {
   // setTimeout); any thread may call it.
   virtual std::chrono::milliseconds timeout() const = 0;
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
-  // Give up: peers waiting on this rank fail fast with `why` instead of timing out.
+  // Give up: peers waiting on this rank fail fast with `why` instead of timing out, and so
+  // does this rank's own wait in progress (any thread may call it) and every later collective.
   virtual void abort(const std::string& why) = 0;
 };
 

@@ -110,6 +110,7 @@ class HostComm final : public Comm {
   std::chrono::microseconds wait_spin() const override { return t_->wait_spin(); }
   std::chrono::milliseconds timeout() const override { return t_->timeout(); }
   void set_timeout(std::chrono::milliseconds timeout) override { t_->set_timeout(timeout); }
+  void abort(const std::string& why) override { t_->abort(why); }
 
   void all_gather(const void* in, std::span<void* const> outs, size_t count, DType dtype) override {
     const size_t bytes = count * dtype_size(dtype);

@@ -38,8 +38,9 @@ class HostParams : public ParamCollectives {
   std::pair<size_t, int> staging_geometry(int) override {
     TORCH_CHECK(false, "tide cuda_staging_geometry: CPU tensors stage in the host communicator");
   }
-  // The group's own communicator: the group sets its timeout.
+  // The group's own communicator: the group sets its timeout and aborts it.
   void set_timeout(std::chrono::milliseconds) override {}
+  void abort(const std::string&) override {}
 
  private:
   tide::Comm& comm_;
@@ -92,6 +93,9 @@ class HostParamsAcrossNodes final : public ParamCollectives {
   // The node's communicator (TIDE-RS, TIDE-AG's node peers); gloo's exchanges read the group's.
   void set_timeout(std::chrono::milliseconds timeout) override {
     if (nodes_.node_comm) nodes_.node_comm->set_timeout(timeout);
+  }
+  void abort(const std::string& why) override {  // gloo's exchanges: the group aborts its delegate
+    if (nodes_.node_comm) nodes_.node_comm->abort(why);
   }
 
  private:

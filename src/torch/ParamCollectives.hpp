@@ -53,6 +53,8 @@ class ParamCollectives {
   // The group's setTimeout, for the communicators that keep a timeout of their own (any
   // thread); the rest read the group's Timeout.
   virtual void set_timeout(std::chrono::milliseconds timeout) = 0;
+  // The group's abort, for the communicators the group does not hold itself (any thread).
+  virtual void abort(const std::string& why) = 0;
 };
 
 // CPU tensors. One node: the group's host communicator. Several nodes (tide::GroupNodes:

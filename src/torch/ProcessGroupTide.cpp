@@ -297,6 +297,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::enqueue(c10d::OpType op, const 
                                                          std::vector<at::Tensor> outputs,
                                                          std::function<void()> fn) {
   auto work = c10::make_intrusive<WorkTide>(op, name, std::move(outputs));
+  if (coalescing_) queued_in_block_ = true;
   std::vector<Queued> finished;  // released on this thread, after the lock (see finished_)
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -829,9 +830,19 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTide::split(const c10::intrusive_p
   return made.cast<c10::intrusive_ptr<ProcessGroupTide>>();
 }
 
+void ProcessGroupTide::abort() {
+  const std::string why = tide::detail::concat("rank ", getRank(), " aborted group '", group_name_,
+                                               "' (ProcessGroup.abort)");
+  if (comm_) comm_->abort(why);
+  cpu_params_->abort(why);
+  if (cpu_) cpu_->abort();
+  if (cuda_) cuda_->abort();
+}
+
 void ProcessGroupTide::startCoalescing() {
   TORCH_CHECK(!coalescing_, "tide startCoalescing: rank ", getRank(), ": a coalescing block is already open");
   coalescing_ = true;
+  queued_in_block_ = false;
   if (cuda_) cuda_->startCoalescing();  // CUDA tensors' ops in the block: one NCCL group, as stock
 }
 
@@ -860,6 +871,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTide::endCoalescing() {
   c10::intrusive_ptr<c10d::Work> nccl = cuda_ ? cuda_->endCoalescing() : nullptr;
   TORCH_CHECK(!nccl || (p2p.empty() && gloo.empty()), "tide endCoalescing: rank ", getRank(),
               ": the block (batch_isend_irecv) mixed CUDA and CPU tensors; batch each device's separately");
+  // An empty block (torch's abort wraps its aborts in one) has no Work, as NCCL's has none:
+  // one queued behind a hung collective would hold the abort up to the timeout.
+  if (p2p.empty() && gloo.empty() && !queued_in_block_) return nccl;
   // On the worker, after whatever it had: also what the block's "fast path" (torch's
   // allreduce_coalesced and the like, issued just before this) queued there. gloo's sends
   // and receives (across nodes) are waited for there too: they have no future of their own.

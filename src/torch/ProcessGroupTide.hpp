@@ -106,6 +106,10 @@ class ProcessGroupTide : public c10d::Backend {
   // had CUDA tensors, else done when the worker has run what it had before it, the host's
   // sends and receives, and waited for gloo's.
   bool supportsCoalescing() const override { return true; }
+  // ProcessGroup.abort (torch's _abort_process_group): the host collective in progress and
+  // every later one raise DistBackendError here, peers waiting on this rank fail fast, and the
+  // gloo / NCCL delegates abort. The CUDA path's own collectives are not reached (status.md).
+  void abort() override;
   // The collectives issued on the group so far (sends and receives not counted, as NCCL's
   // collective sequence): what TORCH_DISTRIBUTED_DEBUG=DETAIL's wrapper compares across ranks
   // before each collective. It starts at 0 on every rank; setting it is a no-op, as in torch 2.15.
@@ -253,6 +257,7 @@ class ProcessGroupTide : public c10d::Backend {
     c10::intrusive_ptr<WorkTide> work;  // what the send / receive call returned
   };
   bool coalescing_ = false;
+  bool queued_in_block_ = false;  // an op went to the worker during the block
   std::atomic<uint64_t> collective_seq_{0};
   std::vector<CoalescedP2P> coalesced_p2p_;
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_gloo_;

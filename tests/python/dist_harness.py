@@ -65,7 +65,7 @@ def _rank_main(fn, rank, world_size, init_file, backend, pg_timeout_s, args, kwa
                 timeout=timedelta(seconds=pg_timeout_s),
             )
         result = fn(rank, world_size, *args, **kwargs)
-        if backend is not None:
+        if backend is not None and dist.is_initialized():  # a test may have aborted it
             dist.destroy_process_group()
         # Plain pickle: tensors travel by value, not as shared-memory handles that die
         # with this process.

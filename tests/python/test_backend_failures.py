@@ -485,8 +485,8 @@ LATE_S = 4  # a peer this late fails a group whose timeout is PG_TIMEOUT_S
 
 def set_timeout_worker(rank, ws):
     """The default group was made with PG_TIMEOUT_S. A zero timeout is refused; lengthened,
-    it lets a peer be LATE_S late in a standard collective and in FSDP2's TIDE-AG and
-    TIDE-RS; a second group made with a minute, shortened to PG_TIMEOUT_S, gives up on a
+    it lets a peer be LATE_S late in a standard collective and in FSDP2's first TIDE-AG (then
+    a step's TIDE-AG and TIDE-RS); a second group made with a minute, shortened to PG_TIMEOUT_S, gives up on a
     silent peer after that, not after the minute."""
     from datetime import timedelta
 
@@ -514,10 +514,7 @@ def set_timeout_worker(rank, ws):
     def step():
         if rank == 0:
             time.sleep(LATE_S)  # rank 1 waits in the first all-gather
-        loss = model(torch.randn(4, 64)).sum()
-        if rank == 0:
-            time.sleep(LATE_S)  # rank 1 waits in the last layer's reduce-scatter
-        loss.backward()
+        model(torch.randn(4, 64)).sum().backward()
 
     start = time.monotonic()
     out["late FSDP2 step"] = expect_error(step), time.monotonic() - start
@@ -526,7 +523,7 @@ def set_timeout_worker(rank, ws):
     other = dist.new_group(backend="tide", timeout=timedelta(seconds=60))
     set_group_timeout(other, PG_TIMEOUT_S)
     if rank == 0:
-        time.sleep(PG_TIMEOUT_S + 4)  # never calls it
+        time.sleep(PG_TIMEOUT_S + 1.5)  # never calls it
         return out
     start = time.monotonic()
     out["silent peer"] = expect_error(lambda: dist.all_reduce(t, group=other)), time.monotonic() - start
@@ -604,3 +601,33 @@ def test_torch_distributed_debug_detail_wraps_a_tide_group():
         assert paths["stock_all_gather"] == 0 and paths["stock_reduce_scatter"] == 0, (rank, paths)
         assert out["sum"] == [3.0] * 4
         assert out["mismatch"] and "Detected mismatch between collectives" in out["mismatch"], out["mismatch"]
+
+
+# ---- abort: torch's _abort_process_group (fault-tolerant training's way out of a hang) --------
+
+def abort_worker(rank, ws):
+    """Rank 0's all_reduce waits on rank 1, which is late; rank 0 aborts the job's groups.
+    The abort returns at once, the waiting collective fails, and rank 1's all_reduce, when
+    it comes, fails fast naming rank 0's abort (the group's timeout is a minute)."""
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(1.5)
+        start = time.monotonic()
+        return expect_error(lambda: dist.all_reduce(torch.ones(4))), time.monotonic() - start
+    work = dist.all_reduce(torch.ones(4), async_op=True)
+    time.sleep(0.3)
+    start = time.monotonic()
+    dist.distributed_c10d._abort_process_group()
+    aborted_after = time.monotonic() - start
+    return aborted_after, expect_error(work.wait), time.monotonic() - start
+
+
+def test_abort_ends_a_hung_collective_at_once():
+    """ProcessGroupTide::abort (tide once ignored it: the abort waited for the hung
+    collective's timeout, as did the group's destruction)."""
+    (aborted_after, msg0, waited0), (msg1, waited1) = run_ranks(abort_worker, 2, pg_timeout_s=60, timeout=60)
+    assert aborted_after < slack(1), aborted_after
+    assert msg0 and msg0.startswith("DistBackendError") and "aborted group" in msg0, msg0
+    assert waited0 < slack(1), waited0
+    assert msg1 and msg1.startswith("DistBackendError") and "because rank 0 aborted" in msg1, msg1
+    assert waited1 < slack(2), waited1

@@ -32,6 +32,7 @@ class NoCudaParams final : public ParamCollectives {
     TORCH_CHECK(false, "tide cuda_staging_geometry: rank ", rank_, ": ", kWhy, " (cuda:", device, ")");
   }
   void set_timeout(std::chrono::milliseconds) override {}
+  void abort(const std::string&) override {}
 
  private:
   int rank_;

@@ -60,13 +60,15 @@ struct alignas(kLine) FlagLine : SharedCounter {};
 static_assert(sizeof(FlagLine) == kLine);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
 
+constexpr uint32_t kAbortWriting = 2, kAborted = 1;  // Header::aborted
+
 struct Header {
   uint64_t magic;
   int32_t rank;
   int32_t pid;
   uint64_t self_addr;  // where this rank mapped its own segment (the CMA probe reads it)
   std::atomic<uint32_t> closed;  // the rank destroyed its communicator (it may live on)
-  alignas(kLine) std::atomic<uint32_t> aborted;
+  alignas(kLine) std::atomic<uint32_t> aborted;  // 0, kAbortWriting (abort_msg being written), kAborted
   char abort_msg[512];
 };
 
@@ -499,6 +501,9 @@ class ShmTransport final : public Transport {
   void begin(const char* collective, std::string detail) override {
     collective_ = collective;
     detail_ = std::move(detail);
+    if (Header* h = header(rank_); h && h->aborted.load(std::memory_order_acquire) == kAborted)
+      throw TimeoutError(detail::concat("tide ", collective_, ": rank ", rank_, " aborted its communicator earlier: ",
+                                        std::string(h->abort_msg, strnlen(h->abort_msg, sizeof h->abort_msg))));
     op_timeout_ = timeout_.load();
     deadline_ = Clock::now() + op_timeout_;
   }
@@ -511,9 +516,10 @@ class ShmTransport final : public Transport {
 
   void abort(const std::string& why) override {
     Header* h = header(rank_);
-    if (h->aborted.load() != 0) return;
+    uint32_t none = 0;  // the worker's failure and the caller's abort() may race: one writes
+    if (!h->aborted.compare_exchange_strong(none, kAbortWriting)) return;
     std::snprintf(h->abort_msg, sizeof h->abort_msg, "%s", why.c_str());
-    h->aborted.store(1, std::memory_order_release);
+    h->aborted.store(kAborted, std::memory_order_release);
   }
 
  private:
@@ -530,9 +536,12 @@ class ShmTransport final : public Transport {
       abort(msg);
       throw TimeoutError(msg);
     };
+    if (Header* h = header(rank_); h->aborted.load(std::memory_order_acquire) == kAborted)  // abort(), another thread
+      fail(detail::concat("gave up waiting for rank ", peer, ": this rank aborted: ",
+                          std::string(h->abort_msg, strnlen(h->abort_msg, sizeof h->abort_msg))), false);
     for (int r = 0; r < ws_; ++r) {
       Header* h = header(r);
-      if (r == rank_ || h->aborted.load(std::memory_order_acquire) == 0) continue;
+      if (r == rank_ || h->aborted.load(std::memory_order_acquire) != kAborted) continue;
       fail(detail::concat("gave up waiting for rank ", peer, " because rank ", r, " aborted: ",
                           std::string(h->abort_msg, strnlen(h->abort_msg, sizeof h->abort_msg))), false);
     }
